@@ -1,0 +1,265 @@
+//! The autocast policy: every float op of burn 0.21's `FloatTensorOps`, `ModuleOps` and
+//! `ActivationOps` in one of four categories (`shared/AUTOCAST_POLICY.md`, after PyTorch's
+//! `autocast_mode.h`). This table is the whole policy; the op forwarding only asks it.
+
+use burn_backend::{Backend, DType, TensorMetadata};
+use burn_std::FloatDType;
+
+use crate::precision::{Precision, support};
+
+/// What autocast does with an op's float inputs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Category {
+    /// Cast every float input to the low dtype `L` (f16/bf16): matmul, conv, attention.
+    Lower,
+    /// Cast every float input to f32: exp/log, accumulating reductions, norms, softmax.
+    F32,
+    /// Run in the widest float dtype among the inputs (f16 with bf16 gives f32).
+    Promote,
+    /// Run in the input dtype. Several float inputs of different dtypes are promoted
+    /// as above, so that no op ever panics on mixed dtypes.
+    Pass,
+}
+
+macro_rules! policy_table {
+    ($($category:ident => [$($op:ident),* $(,)?]),* $(,)?) => {
+        /// One float op of the backend traits, named exactly as the trait method.
+        #[allow(non_camel_case_types, missing_docs)]
+        #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+        pub enum Op { $($($op,)*)* }
+
+        impl Op {
+            /// Every op in the table.
+            pub const ALL: &'static [Op] = &[$($(Op::$op,)*)*];
+
+            /// The op's category: the policy table, one arm per category.
+            #[inline(always)]
+            pub const fn category(self) -> Category {
+                match self { $($(Op::$op)|* => Category::$category,)* }
+            }
+
+            /// The trait method's name.
+            pub const fn name(self) -> &'static str {
+                match self { $($(Op::$op => stringify!($op),)*)* }
+            }
+
+            /// Looks an op up by its trait method's name.
+            pub fn from_name(name: &str) -> Option<Op> {
+                Op::ALL.iter().copied().find(|op| op.name() == name)
+            }
+        }
+    };
+}
+
+policy_table! {
+    Lower => [
+        float_matmul, linear,
+        conv1d, conv2d, conv3d, conv_transpose1d, conv_transpose2d, conv_transpose3d,
+        deform_conv2d, attention, prelu,
+    ],
+    F32 => [
+        // exp / log family
+        float_exp, float_log, float_log1p, float_powf, float_powf_scalar, float_powf_scalar_impl,
+        float_powi, float_powi_scalar, float_powi_scalar_impl, float_recip, float_erf,
+        float_tan, float_sinh, float_cosh, float_asin, float_acos, float_atanh,
+        // reductions that accumulate
+        float_sum, float_sum_dim, float_mean, float_mean_dim, float_prod, float_prod_dim,
+        float_cumsum, float_cumprod,
+        // normalisation and probability
+        softmax, log_softmax, softmin, layer_norm, log_sigmoid,
+        // losses, spectral, resampling
+        ctc_loss, rfft, irfft, interpolate, float_grid_sample_2d,
+    ],
+    Promote => [
+        float_add, float_sub, float_mul, float_div, float_remainder, float_atan2, float_cross,
+        float_mask_where, float_cat, float_scatter_add, float_scatter_nd, float_select_add,
+        float_slice_assign,
+        float_equal, float_not_equal, float_greater, float_greater_equal, float_lower,
+        float_lower_equal,
+    ],
+    Pass => [
+        // creation, data and devices: the dtype the caller asked for
+        float_from_data, float_random, float_zeros, float_ones, float_full, float_empty,
+        float_into_data, float_device, float_to_device, float_into_int, float_cast,
+        float_detach, float_set_require_grad, float_is_require_grad,
+        // elementwise
+        float_neg, float_abs, float_sqrt, float_sin, float_cos, float_tanh, float_acosh,
+        float_asinh, float_atan, float_round, float_floor, float_ceil, float_trunc, float_sign,
+        float_is_nan, float_is_inf,
+        relu, leaky_relu, gelu, sigmoid, hard_sigmoid,
+        // scalar operands
+        float_add_scalar, float_sub_scalar, float_mul_scalar, float_div_scalar,
+        float_remainder_scalar, float_clamp, float_clamp_min, float_clamp_max, float_mask_fill,
+        float_equal_elem, float_not_equal_elem, float_greater_elem, float_greater_equal_elem,
+        float_lower_elem, float_lower_equal_elem,
+        // layout and indexing
+        float_reshape, float_transpose, float_swap_dims, float_permute, float_flip,
+        float_expand, float_repeat_dim, float_slice, float_select, float_gather,
+        float_gather_nd, float_unfold, unfold4d, embedding,
+        // exact in any dtype
+        float_max, float_max_dim, float_max_dim_with_indices, float_min, float_min_dim,
+        float_min_dim_with_indices, float_max_abs, float_max_abs_dim, float_argmax,
+        float_argmin, float_argtopk, float_topk, float_cummin, float_cummax, float_sort,
+        float_sort_with_indices, float_argsort, float_any, float_any_dim, float_all,
+        float_all_dim,
+        // pooling
+        avg_pool1d, avg_pool2d, adaptive_avg_pool1d, adaptive_avg_pool2d, max_pool1d,
+        max_pool2d, max_pool1d_with_indices, max_pool2d_with_indices,
+        // backward kernels: run in the dtype of what autodiff saved
+        relu_backward, gelu_backward, sigmoid_backward, log_sigmoid_backward,
+        embedding_backward, linear_x_backward, linear_weight_backward, linear_bias_backward,
+        conv1d_x_backward, conv1d_weight_backward, conv1d_bias_backward,
+        conv2d_x_backward, conv2d_weight_backward, conv2d_bias_backward,
+        conv3d_x_backward, conv3d_weight_backward, conv3d_bias_backward,
+        conv_transpose1d_x_backward, conv_transpose1d_weight_backward,
+        conv_transpose1d_bias_backward, conv_transpose2d_x_backward,
+        conv_transpose2d_weight_backward, conv_transpose2d_bias_backward,
+        conv_transpose3d_x_backward, conv_transpose3d_weight_backward,
+        conv_transpose3d_bias_backward, deform_conv2d_backward, avg_pool1d_backward,
+        avg_pool2d_backward, adaptive_avg_pool1d_backward, adaptive_avg_pool2d_backward,
+        max_pool1d_with_indices_backward, max_pool2d_with_indices_backward,
+        interpolate_backward, ctc_loss_backward, has_ctc_loss_backward,
+    ],
+}
+
+/// Float dtypes as bits, to see "all inputs already in the target dtype" in one compare.
+fn bit(dtype: FloatDType) -> u8 {
+    match dtype {
+        FloatDType::F64 => 1,
+        FloatDType::F32 => 2,
+        FloatDType::Flex32 => 4,
+        FloatDType::F16 => 8,
+        FloatDType::BF16 => 16,
+    }
+}
+
+/// The widest float dtype present in `seen` (f64 > f32 > f16/bf16; f16 with bf16 is f32).
+fn widest(seen: u8) -> FloatDType {
+    if seen & 1 != 0 {
+        FloatDType::F64
+    } else if seen & 2 != 0 {
+        FloatDType::F32
+    } else if seen & 4 != 0 {
+        FloatDType::Flex32
+    } else if seen & (8 | 16) == (8 | 16) {
+        FloatDType::F32
+    } else if seen & 16 != 0 {
+        FloatDType::BF16
+    } else {
+        FloatDType::F16
+    }
+}
+
+/// Resolves one op call: sees the float inputs, then tells the dtype to cast them to.
+pub(crate) struct Autocast<B: Backend> {
+    category: Category,
+    /// The dtype category `Lower` lowers to, once known; read from the thread's setting.
+    low: Option<FloatDType>,
+    /// Whether `low` still waits for a device (the thread follows the device's default,
+    /// or asked for bf16, whose support must be checked).
+    low_pending: bool,
+    seen: u8,
+    _backend: core::marker::PhantomData<B>,
+}
+
+impl<B: Backend> Autocast<B> {
+    #[inline(always)]
+    pub(crate) fn new(op: Op) -> Self {
+        let category = op.category();
+        let (low, low_pending) = match (category, Precision::current()) {
+            (Category::Promote | Category::Pass, _) | (_, Some(Precision::F32)) => (None, false),
+            // f32 ops need no device: any active setting means "to f32".
+            (Category::F32, _) => (Some(FloatDType::F32), false),
+            (Category::Lower, None) => (None, true),
+            (Category::Lower, Some(Precision::F16)) => (Some(FloatDType::F16), false),
+            (Category::Lower, Some(Precision::Bf16)) => (Some(FloatDType::BF16), true),
+        };
+        Self {
+            category,
+            low,
+            low_pending,
+            seen: 0,
+            _backend: core::marker::PhantomData,
+        }
+    }
+
+    /// Records one float input.
+    #[inline(always)]
+    pub(crate) fn see(&mut self, tensor: &B::FloatTensorPrimitive) {
+        if let Some(dtype) = float_dtype(tensor.dtype()) {
+            self.seen |= bit(dtype);
+        }
+        if self.low_pending {
+            self.low_pending = false;
+            self.low = resolve_low::<B>(self.low, &B::float_device(tensor));
+        }
+    }
+
+    /// The dtype to cast the inputs to, or `None` when they are already right.
+    #[inline(always)]
+    pub(crate) fn target(&self) -> Option<FloatDType> {
+        if self.seen == 0 {
+            return None;
+        }
+        let target = if self.seen & bit(FloatDType::F64) != 0 {
+            // f64 is never lowered; anything beside it is promoted to it.
+            FloatDType::F64
+        } else {
+            match (self.category, self.low) {
+                (Category::Lower, Some(low)) => low,
+                (Category::F32, Some(f32)) => f32,
+                _ => widest(self.seen),
+            }
+        };
+        (self.seen != bit(target)).then_some(target)
+    }
+}
+
+#[inline(always)]
+fn float_dtype(dtype: DType) -> Option<FloatDType> {
+    match dtype {
+        DType::F64 => Some(FloatDType::F64),
+        DType::F32 => Some(FloatDType::F32),
+        DType::Flex32 => Some(FloatDType::Flex32),
+        DType::F16 => Some(FloatDType::F16),
+        DType::BF16 => Some(FloatDType::BF16),
+        _ => None,
+    }
+}
+
+/// The low dtype on `device`: the thread's explicit choice (checked for bf16), else the
+/// device's default.
+#[cold]
+fn resolve_low<B: Backend>(asked: Option<FloatDType>, device: &B::Device) -> Option<FloatDType> {
+    match asked {
+        Some(FloatDType::BF16) => {
+            if !support::supports::<B>(device, DType::BF16) {
+                panic!(
+                    "{}",
+                    crate::error::AmpError::UnsupportedPrecision {
+                        precision: Precision::Bf16,
+                        device: format!("{device:?}"),
+                        backend: B::name(device),
+                    }
+                );
+            }
+            asked
+        }
+        Some(other) => Some(other),
+        None => Precision::default_for::<B>(device).low_dtype(),
+    }
+}
+
+/// Casts `tensor` to `target` unless it is there already or is not a float.
+#[inline(always)]
+pub(crate) fn cast<B: Backend>(
+    tensor: B::FloatTensorPrimitive,
+    target: Option<FloatDType>,
+) -> B::FloatTensorPrimitive {
+    match target {
+        Some(target) if float_dtype(tensor.dtype()).is_some_and(|d| d != target) => {
+            B::float_cast(tensor, target)
+        }
+        _ => tensor,
+    }
+}

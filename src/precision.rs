@@ -1,0 +1,169 @@
+//! The autocast precision: one small value, per thread, with a scoped override.
+//!
+//! Like `torch.autocast`, the setting is thread-local: a data-loader or logging thread
+//! never changes what the training thread computes in.
+
+use core::cell::Cell;
+use core::fmt;
+
+use burn_backend::{Backend, DType, DeviceOps};
+use burn_std::FloatDType;
+use serde::{Deserialize, Serialize};
+
+/// The low-precision dtype that autocast runs matmul, convolution and attention in.
+///
+/// `F32` turns autocast off: every op is forwarded unchanged (only mixed-dtype inputs are
+/// still promoted, so that nothing panics).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum Precision {
+    /// Autocast off.
+    F32,
+    /// IEEE half precision: needs loss scaling (see the `scaler` module).
+    F16,
+    /// bfloat16: f32's range, no loss scaling needed.
+    Bf16,
+}
+
+impl Precision {
+    /// The dtype autocast lowers to, or `None` when autocast is off.
+    pub fn low_dtype(self) -> Option<FloatDType> {
+        match self {
+            Precision::F32 => None,
+            Precision::F16 => Some(FloatDType::F16),
+            Precision::Bf16 => Some(FloatDType::BF16),
+        }
+    }
+
+    /// Whether autocast is on at this precision.
+    pub fn is_low(self) -> bool {
+        self != Precision::F32
+    }
+
+    /// Whether training at this precision needs a loss scaler (f16's narrow range).
+    pub fn needs_loss_scaling(self) -> bool {
+        self == Precision::F16
+    }
+
+    /// The best precision `device` can run: bf16 where supported, else f16, else f32.
+    pub fn default_for<B: Backend>(device: &B::Device) -> Precision {
+        support::default_precision::<B>(device)
+    }
+
+    /// Whether `device` can compute in this precision.
+    pub fn is_supported<B: Backend>(self, device: &B::Device) -> bool {
+        match self {
+            Precision::F32 => true,
+            Precision::F16 => support::supports::<B>(device, DType::F16),
+            Precision::Bf16 => support::supports::<B>(device, DType::BF16),
+        }
+    }
+
+    /// The setting in force on this thread: `None` means "the device's default"
+    /// ([`Precision::default_for`]), which is what a thread starts with.
+    pub fn current() -> Option<Precision> {
+        STATE.with(|s| s.get())
+    }
+
+    /// The precision that autocast uses on this thread for `device`.
+    pub fn effective<B: Backend>(device: &B::Device) -> Precision {
+        Self::current().unwrap_or_else(|| Self::default_for::<B>(device))
+    }
+}
+
+impl fmt::Display for Precision {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Precision::F32 => "f32",
+            Precision::F16 => "f16",
+            Precision::Bf16 => "bf16",
+        })
+    }
+}
+
+impl core::str::FromStr for Precision {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s.to_ascii_lowercase().as_str() {
+            "f32" | "fp32" | "float32" => Ok(Precision::F32),
+            "f16" | "fp16" | "float16" | "half" => Ok(Precision::F16),
+            "bf16" | "bfloat16" => Ok(Precision::Bf16),
+            other => Err(format!(
+                "unknown precision `{other}`: expected one of f32, f16, bf16"
+            )),
+        }
+    }
+}
+
+thread_local! {
+    static STATE: Cell<Option<Precision>> = const { Cell::new(None) };
+}
+
+/// Sets the autocast precision of this thread until the returned guard is dropped.
+///
+/// Guards nest: dropping one restores whatever was in force when it was made.
+///
+/// ```
+/// use burn_amp::{autocast, Precision};
+/// let _outer = autocast(Precision::F16);
+/// {
+///     let _inner = autocast(Precision::F32); // e.g. a numerically touchy block
+///     assert_eq!(Precision::current(), Some(Precision::F32));
+/// }
+/// assert_eq!(Precision::current(), Some(Precision::F16));
+/// ```
+#[must_use = "autocast is restored when the guard is dropped; bind it with `let _g = ...`"]
+pub fn autocast(precision: Precision) -> AutocastGuard {
+    AutocastGuard {
+        previous: STATE.with(|s| s.replace(Some(precision))),
+        _not_send: core::marker::PhantomData,
+    }
+}
+
+/// Restores the previous autocast setting of this thread when dropped.
+#[derive(Debug)]
+pub struct AutocastGuard {
+    previous: Option<Precision>,
+    // The setting is per thread: the guard must be dropped on the thread that made it.
+    _not_send: core::marker::PhantomData<*const ()>,
+}
+
+impl Drop for AutocastGuard {
+    fn drop(&mut self) {
+        STATE.with(|s| s.set(self.previous));
+    }
+}
+
+/// Device dtype support, cached per thread: `supports_dtype` on CubeCL backends looks the
+/// device's client up in a global map, too slow for the per-op path.
+pub(crate) mod support {
+    use super::*;
+    use core::any::TypeId;
+    use std::cell::RefCell;
+
+    type Key = (TypeId, burn_std::device::DeviceId, DType);
+
+    thread_local! {
+        static CACHE: RefCell<Vec<(Key, bool)>> = const { RefCell::new(Vec::new()) };
+    }
+
+    pub(crate) fn supports<B: Backend>(device: &B::Device, dtype: DType) -> bool {
+        let key = (TypeId::of::<B>(), device.id(), dtype);
+        if let Some(hit) = CACHE.with(|c| c.borrow().iter().find(|(k, _)| *k == key).map(|e| e.1)) {
+            return hit;
+        }
+        let ok = B::supports_dtype(device, dtype);
+        CACHE.with(|c| c.borrow_mut().push((key, ok)));
+        ok
+    }
+
+    pub(crate) fn default_precision<B: Backend>(device: &B::Device) -> Precision {
+        if supports::<B>(device, DType::BF16) {
+            Precision::Bf16
+        } else if supports::<B>(device, DType::F16) {
+            Precision::F16
+        } else {
+            Precision::F32
+        }
+    }
+}

@@ -1,0 +1,244 @@
+//! Runs one float op through `Amp<B>` under autocast and through `B` in f32, then checks
+//! the output dtype the policy promises and the values against the f32 reference.
+
+use std::collections::BTreeSet;
+
+use burn_amp::autocast::{Category, Op};
+use burn_amp::{Precision, autocast};
+use burn_backend::tensor::FloatTensor;
+use burn_backend::{Backend, TensorData, TensorMetadata, read_sync};
+use burn_std::{DType, FloatDType};
+
+/// Tolerances of a comparison against the f32 reference: `|x - r| <= atol + rtol * |r|`.
+#[derive(Debug, Clone, Copy)]
+pub struct Tolerance {
+    pub atol: f32,
+    pub rtol: f32,
+}
+
+impl Tolerance {
+    /// An op computed in f32 on the same (already rounded) inputs as the reference.
+    pub const F32: Tolerance = Tolerance {
+        atol: 1e-5,
+        rtol: 1e-4,
+    };
+    /// An op computed in f16: 11-bit mantissa, a few roundings on small inputs.
+    pub const F16: Tolerance = Tolerance {
+        atol: 1e-2,
+        rtol: 1e-2,
+    };
+    /// An op computed in bf16: 8-bit mantissa.
+    pub const BF16: Tolerance = Tolerance {
+        atol: 5e-2,
+        rtol: 5e-2,
+    };
+
+    pub fn of(dtype: FloatDType) -> Tolerance {
+        match dtype {
+            FloatDType::F16 => Self::F16,
+            FloatDType::BF16 => Self::BF16,
+            _ => Self::F32,
+        }
+    }
+}
+
+/// What one exercise expects beyond the defaults of its category.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Expect {
+    /// The output dtype, where the op fixes it (casts, creation, bool/int outputs).
+    pub dtype: Option<FloatDType>,
+    /// Compare values with the reference (off for random ops).
+    pub values: bool,
+}
+
+pub struct Harness<B: Backend> {
+    pub device: B::Device,
+    pub precision: Precision,
+    pub low: FloatDType,
+    pub exercised: BTreeSet<&'static str>,
+    pub failures: Vec<String>,
+    /// Ops the inner backend itself does not implement (checked to fail alike via Amp).
+    pub unsupported: Vec<String>,
+}
+
+impl<B: Backend> Harness<B> {
+    pub fn new(device: B::Device, precision: Precision) -> Self {
+        let low = precision
+            .low_dtype()
+            .expect("the harness needs a low precision");
+        Self {
+            device,
+            precision,
+            low,
+            exercised: BTreeSet::new(),
+            failures: Vec::new(),
+            unsupported: Vec::new(),
+        }
+    }
+
+    /// Distinct values in [0.1, 0.9], shuffled: no ties after rounding to bf16 for up to
+    /// ~150 elements, in the domain of log, sqrt, asin, acos and atanh.
+    fn input(&self, shape: &[usize], salt: usize) -> FloatTensor<B> {
+        let n: usize = shape.iter().product();
+        let mut values: Vec<f32> = (0..n)
+            .map(|k| 0.1 + 0.8 * (k as f32 + 0.5) / n.max(1) as f32)
+            .collect();
+        // A fixed permutation: stride coprime with n.
+        let stride = (7 + 2 * salt)..;
+        let stride = stride.into_iter().find(|s| gcd(*s, n.max(1)) == 1).unwrap();
+        values = (0..n)
+            .map(|k| values[(k * stride + salt) % n.max(1)])
+            .collect();
+        B::float_from_data(TensorData::new(values, shape.to_vec()), &self.device)
+    }
+
+    /// Input dtypes by category: what the op would meet in a real autocast run.
+    fn input_dtypes(&self, category: Category, n: usize) -> Vec<FloatDType> {
+        let low = self.low;
+        (0..n)
+            .map(|i| match category {
+                Category::Lower => FloatDType::F32,
+                Category::F32 => low,
+                Category::Promote | Category::Pass if n > 1 && i > 0 => FloatDType::F32,
+                Category::Promote | Category::Pass => low,
+            })
+            .collect()
+    }
+
+    fn default_output(&self, category: Category, n: usize) -> FloatDType {
+        match category {
+            Category::Lower => self.low,
+            Category::F32 => FloatDType::F32,
+            Category::Promote => FloatDType::F32,
+            Category::Pass if n > 1 => FloatDType::F32,
+            Category::Pass => self.low,
+        }
+    }
+
+    pub fn check(
+        &mut self,
+        op: Op,
+        shapes: &[&[usize]],
+        expect: Expect,
+        run_amp: impl Fn(&B::Device, Vec<FloatTensor<B>>) -> FloatTensor<B>,
+        run_ref: impl Fn(&B::Device, Vec<FloatTensor<B>>) -> FloatTensor<B>,
+    ) {
+        self.exercised.insert(op.name());
+        let category = op.category();
+        let dtypes = self.input_dtypes(category, shapes.len());
+        let inputs: Vec<_> = shapes
+            .iter()
+            .enumerate()
+            .map(|(i, s)| B::float_cast(self.input(s, i), dtypes[i]))
+            .collect();
+        // The reference sees the same rounded values, in f32.
+        let ref_inputs: Vec<_> = inputs
+            .iter()
+            .map(|t| B::float_cast(t.clone(), FloatDType::F32))
+            .collect();
+
+        // An op the backend itself lacks must fail the same way through `Amp`: forwarded,
+        // not broken by it.
+        let device = &self.device;
+        let reference = match catch(|| run_ref(device, ref_inputs)) {
+            Ok(reference) => reference,
+            Err(reason) => {
+                let precision = self.precision;
+                let amp = catch(|| {
+                    let _g = autocast(precision);
+                    run_amp(device, inputs)
+                });
+                match amp {
+                    Err(amp_reason) if amp_reason == reason => {
+                        self.unsupported.push(format!("{}: {reason}", op.name()))
+                    }
+                    Err(amp_reason) => self.failures.push(format!(
+                        "{}: the backend fails with `{reason}`, Amp with `{amp_reason}`",
+                        op.name()
+                    )),
+                    Ok(_) => self.failures.push(format!(
+                        "{}: the backend fails with `{reason}`, Amp succeeds",
+                        op.name()
+                    )),
+                }
+                return;
+            }
+        };
+        let out = match catch(|| {
+            let _g = autocast(self.precision);
+            run_amp(device, inputs)
+        }) {
+            Ok(out) => out,
+            Err(reason) => {
+                self.failures
+                    .push(format!("{}: panicked under Amp: {reason}", op.name()));
+                return;
+            }
+        };
+
+        let want = expect
+            .dtype
+            .unwrap_or_else(|| self.default_output(category, shapes.len()));
+        let got = out.dtype();
+        if got != DType::from(want) {
+            self.failures.push(format!(
+                "{} ({category:?}): output dtype {got:?}, expected {want:?}",
+                op.name()
+            ));
+            return;
+        }
+        if out.shape() != reference.shape() {
+            self.failures.push(format!(
+                "{}: shape {:?}, reference {:?}",
+                op.name(),
+                out.shape(),
+                reference.shape()
+            ));
+            return;
+        }
+        if !expect.values {
+            return;
+        }
+        let tol = Tolerance::of(want);
+        let got = to_f32::<B>(out);
+        let reference = to_f32::<B>(reference);
+        if let Some((i, g, r)) = got
+            .iter()
+            .zip(&reference)
+            .enumerate()
+            .map(|(i, (g, r))| (i, *g, *r))
+            .find(|(_, g, r)| !close(*g, *r, tol))
+        {
+            self.failures.push(format!(
+                "{}: value {g} at {i}, f32 reference {r} (tolerance {tol:?})",
+                op.name()
+            ));
+        }
+    }
+}
+
+pub fn close(g: f32, r: f32, tol: Tolerance) -> bool {
+    (g.is_nan() && r.is_nan()) || g == r || (g - r).abs() <= tol.atol + tol.rtol * r.abs()
+}
+
+pub fn to_f32<B: Backend>(t: FloatTensor<B>) -> Vec<f32> {
+    let t = B::float_cast(t, FloatDType::F32);
+    read_sync(B::float_into_data(t))
+        .expect("read back")
+        .to_vec::<f32>()
+        .expect("f32 data")
+}
+
+/// Runs `f`, turning a panic into its message. The default hook stays quiet meanwhile.
+fn catch<T>(f: impl FnOnce() -> T) -> Result<T, String> {
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).map_err(|e| {
+        e.downcast_ref::<String>()
+            .cloned()
+            .or_else(|| e.downcast_ref::<&str>().map(|s| s.to_string()))
+            .unwrap_or_else(|| "<non-string panic>".into())
+    })
+}
+
+fn gcd(a: usize, b: usize) -> usize {
+    if b == 0 { a } else { gcd(b, a % b) }
+}
