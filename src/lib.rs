@@ -21,7 +21,9 @@
 pub mod autocast;
 pub mod demo;
 pub mod error;
+pub mod kernels;
 pub mod precision;
+pub mod scaler;
 
 pub use autocast::{Amp, host_reads};
 pub use error::AmpError;

@@ -140,14 +140,17 @@ impl<B: Backend> Harness<B> {
         // An op the backend itself lacks must fail the same way through `Amp`: forwarded,
         // not broken by it.
         let device = &self.device;
-        let reference = match catch(|| run_ref(device, ref_inputs)) {
+        // Lazy backends (fusion) fail on their device thread: only a sync tells.
+        let synced = |t: FloatTensor<B>| B::sync(device).map(|_| t).map_err(|e| e.to_string());
+        let reference = match catch(|| run_ref(device, ref_inputs)).and_then(|t| synced(t)) {
             Ok(reference) => reference,
             Err(reason) => {
                 let precision = self.precision;
                 let amp = catch(|| {
                     let _g = autocast(precision);
                     run_amp(device, inputs)
-                });
+                })
+                .and_then(|t| synced(t));
                 match amp {
                     Err(amp_reason) if amp_reason == reason => {
                         self.unsupported.push(format!("{}: {reason}", op.name()))
@@ -167,7 +170,9 @@ impl<B: Backend> Harness<B> {
         let out = match catch(|| {
             let _g = autocast(self.precision);
             run_amp(device, inputs)
-        }) {
+        })
+        .and_then(|t| synced(t))
+        {
             Ok(out) => out,
             Err(reason) => {
                 self.failures

@@ -1,0 +1,99 @@
+//! The scaler's configuration: PyTorch `GradScaler`'s knobs, DeepSpeed's extras.
+
+use burn::config::Config;
+
+use super::ScalerError;
+use crate::kernels::ScaleRule;
+
+/// Configuration of a [`GradScaler`](super::GradScaler). The defaults are PyTorch's.
+#[derive(Config, Debug, PartialEq)]
+pub struct GradScalerConfig {
+    /// The first loss scale.
+    #[config(default = 65536.0)]
+    pub init_scale: f32,
+    /// Multiplier after `growth_interval` clean steps in a row; must be > 1.
+    #[config(default = 2.0)]
+    pub growth_factor: f32,
+    /// Multiplier on an overflow; must be in (0, 1).
+    #[config(default = 0.5)]
+    pub backoff_factor: f32,
+    /// Clean steps in a row before the scale grows; must be ≥ 1.
+    #[config(default = 2000)]
+    pub growth_interval: u32,
+    /// Overflows tolerated before backing off (DeepSpeed's `hysteresis`); 1 backs off on
+    /// every overflow, as PyTorch does.
+    #[config(default = 1)]
+    pub hysteresis: u32,
+    /// The floor of the scale (DeepSpeed's `min_loss_scale`).
+    #[config(default = 1.0)]
+    pub min_scale: f32,
+    /// The ceiling of the scale; unbounded by default, as in PyTorch.
+    #[config(default = "f32::MAX")]
+    pub max_scale: f32,
+    /// Overflows in a row at `min_scale` after which [`GradScaler::check`](super::GradScaler::check)
+    /// reports [`ScalerError::StuckAtMinScale`]: gradients that overflow even unscaled
+    /// point at a bug or a diverged run, not at the scale.
+    #[config(default = 16)]
+    pub max_floor_overflows: u32,
+    /// `false` turns the scaler into a pass-through, as does a precision that needs no
+    /// scaling (bf16, f32).
+    #[config(default = true)]
+    pub enabled: bool,
+}
+
+impl GradScalerConfig {
+    /// Checks the values; the error names the field and says what is allowed.
+    pub fn validate(&self) -> Result<ScaleRule, ScalerError> {
+        let invalid = |field: &'static str, value: f64, expected: &'static str| {
+            Err(ScalerError::InvalidConfig {
+                field,
+                value,
+                expected,
+            })
+        };
+        if !self.init_scale.is_finite() || self.init_scale <= 0.0 {
+            return invalid("init_scale", self.init_scale as f64, "a finite number > 0");
+        }
+        if !self.growth_factor.is_finite() || self.growth_factor <= 1.0 {
+            return invalid(
+                "growth_factor",
+                self.growth_factor as f64,
+                "a finite number > 1",
+            );
+        }
+        if !(self.backoff_factor > 0.0 && self.backoff_factor < 1.0) {
+            return invalid(
+                "backoff_factor",
+                self.backoff_factor as f64,
+                "a number in (0, 1)",
+            );
+        }
+        if self.growth_interval == 0 {
+            return invalid("growth_interval", 0.0, "at least 1 step");
+        }
+        if self.hysteresis == 0 {
+            return invalid("hysteresis", 0.0, "at least 1 overflow");
+        }
+        if !(self.min_scale > 0.0 && self.min_scale.is_finite()) {
+            return invalid("min_scale", self.min_scale as f64, "a finite number > 0");
+        }
+        if self.max_scale.is_nan() || self.max_scale < self.min_scale {
+            return invalid("max_scale", self.max_scale as f64, "a number >= min_scale");
+        }
+        if self.init_scale < self.min_scale || self.init_scale > self.max_scale {
+            return invalid(
+                "init_scale",
+                self.init_scale as f64,
+                "a number within [min_scale, max_scale]",
+            );
+        }
+        Ok(ScaleRule {
+            growth_factor: self.growth_factor,
+            backoff_factor: self.backoff_factor,
+            growth_interval: self.growth_interval,
+            hysteresis: self.hysteresis,
+            min_scale: self.min_scale,
+            max_scale: self.max_scale,
+        })
+    }
+}

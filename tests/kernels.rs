@@ -1,0 +1,716 @@
+//! The CubeCL kernels of `AmpKernels` against their references, the fallbacks composed from
+//! burn ops (`burn_amp::kernels::fallback`), run on the same backend and device: wgpu on
+//! lavapipe, both as `Wgpu` (fusion custom ops over `CubeBackend`) and as the bare
+//! `CubeBackend`. WGSL has no bf16, so the bf16 instantiation is not run here (the kernels
+//! pick their dtype at run time; the same code serves it on CUDA).
+//!
+//! Tolerances, `|kernel - fallback| <= atol + rtol * |fallback|`:
+//! - unscale and the scale update are the same f32 operations in the same order: exact
+//!   (NaN matched to NaN);
+//! - optimizer steps in f32: `rtol = 1e-6`, with `atol = 1e-6 * max|fallback|` of the
+//!   tensor (the fused fallback may contract or reorder a multiply-add);
+//! - optimizer steps on f16 parameters: one f16 rounding apart, `rtol = 2^-10`,
+//!   `atol = 2^-24` (an f32 difference of one ulp may round to neighbouring f16 values);
+//! - skipped steps: parameter and moments bit for bit equal to their inputs.
+
+mod common;
+
+use burn::backend::Wgpu;
+use burn::backend::wgpu::{CubeBackend, WgpuDevice, WgpuRuntime};
+use burn_amp::kernels::{AdamWHyper, AmpKernels, ScaleRule, SgdHyper, fallback};
+use burn_backend::tensor::FloatTensor;
+use burn_backend::{Backend, TensorData, TensorMetadata, read_sync};
+use burn_std::{DType, FloatDType, Shape};
+
+/// The bare CubeCL backend on wgpu, without fusion.
+type Cube = CubeBackend<WgpuRuntime, f32, i32, u32>;
+
+// ---------------------------------------------------------------------------------------
+// Helpers
+// ---------------------------------------------------------------------------------------
+
+/// xorshift64*: reproducible data without a dependency.
+struct Rng(u64);
+
+impl Rng {
+    fn new(seed: u64) -> Self {
+        Rng(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1)
+    }
+    fn next_u64(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
+    }
+    /// Uniform in [-1, 1).
+    fn unit(&mut self) -> f32 {
+        ((self.next_u64() >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+    }
+    fn below(&mut self, n: usize) -> usize {
+        (self.next_u64() % n as u64) as usize
+    }
+    fn vec(&mut self, n: usize, scale: f32) -> Vec<f32> {
+        (0..n).map(|_| self.unit() * scale).collect()
+    }
+}
+
+fn tensor<B: Backend>(
+    values: Vec<f32>,
+    shape: &[usize],
+    dtype: FloatDType,
+    device: &B::Device,
+) -> FloatTensor<B> {
+    let t = B::float_from_data(TensorData::new(values, shape.to_vec()), device);
+    if dtype == FloatDType::F32 {
+        t
+    } else {
+        B::float_cast(t, dtype)
+    }
+}
+
+fn scalar<B: Backend>(v: f32, device: &B::Device) -> FloatTensor<B> {
+    tensor::<B>(vec![v], &[1], FloatDType::F32, device)
+}
+
+/// The values (as f32) and the raw bytes of a tensor, in its own dtype.
+fn read<B: Backend>(t: FloatTensor<B>) -> (Vec<f32>, Vec<u8>, DType) {
+    let data = read_sync(B::float_into_data(t)).expect("read back");
+    let dtype = data.dtype;
+    let bytes = data.as_bytes().to_vec();
+    let values = data.convert::<f32>().to_vec::<f32>().expect("f32 data");
+    (values, bytes, dtype)
+}
+
+fn values<B: Backend>(t: FloatTensor<B>) -> Vec<f32> {
+    read::<B>(t).0
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Tol {
+    rtol: f32,
+    /// Absolute tolerance, as a fraction of the largest |expected| of the tensor.
+    atol_of_max: f32,
+    /// Absolute floor.
+    atol: f32,
+}
+
+const EXACT: Tol = Tol {
+    rtol: 0.0,
+    atol_of_max: 0.0,
+    atol: 0.0,
+};
+const F32_STEP: Tol = Tol {
+    rtol: 0.0,
+    atol_of_max: 0.0,
+    atol: 0.0,
+};
+/// One f16 rounding: half an ulp is 2^-11 relative; allow a full ulp.
+const F16_STEP: Tol = Tol {
+    rtol: 0.0,
+    atol_of_max: 0.0,
+    atol: 0.0,
+};
+
+fn step_tol(dtype: FloatDType) -> Tol {
+    match dtype {
+        FloatDType::F32 => F32_STEP,
+        _ => F16_STEP,
+    }
+}
+
+#[track_caller]
+fn assert_close(what: &str, actual: &[f32], expected: &[f32], tol: Tol) {
+    assert_eq!(actual.len(), expected.len(), "{what}: lengths differ");
+    let max = expected
+        .iter()
+        .filter(|v| v.is_finite())
+        .fold(0f32, |m, v| m.max(v.abs()));
+    let atol = tol.atol + tol.atol_of_max * max;
+    for (i, (a, e)) in actual.iter().zip(expected).enumerate() {
+        let ok = if e.is_nan() {
+            a.is_nan()
+        } else if e.is_infinite() {
+            a == e
+        } else {
+            (a - e).abs() <= atol + tol.rtol * e.abs()
+        };
+        assert!(
+            ok,
+            "{what}: element {i} of {}: kernel {a:e}, fallback {e:e} (tolerance {tol:?}, max {max:e})",
+            expected.len()
+        );
+    }
+}
+
+/// A gradient with NaN, +inf and -inf injected at random positions, per `inject`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Inject {
+    Clean,
+    Nan,
+    PosInf,
+    NegInf,
+    All,
+}
+
+fn grad_values(rng: &mut Rng, n: usize, inject: Inject) -> Vec<f32> {
+    // Scaled-gradient magnitudes that stay finite in f16.
+    let mut v = rng.vec(n, 1000.0);
+    if n == 0 {
+        return v;
+    }
+    let specials: &[f32] = match inject {
+        Inject::Clean => &[],
+        Inject::Nan => &[f32::NAN],
+        Inject::PosInf => &[f32::INFINITY],
+        Inject::NegInf => &[f32::NEG_INFINITY],
+        Inject::All => &[f32::NAN, f32::INFINITY, f32::NEG_INFINITY],
+    };
+    for &s in specials {
+        for _ in 0..1 + n / 1000 {
+            let i = rng.below(n);
+            v[i] = s;
+        }
+    }
+    v
+}
+
+fn devices() -> Option<WgpuDevice> {
+    common::wgpu_device()
+}
+
+// ---------------------------------------------------------------------------------------
+// unscale_and_check
+// ---------------------------------------------------------------------------------------
+
+/// Shapes with sizes off the vector width (1, 3, 1023, 4097), aligned ones, 2-d ones and
+/// empty ones.
+const SHAPES: &[&[usize]] = &[
+    &[1],
+    &[3],
+    &[1023],
+    &[4096],
+    &[4097],
+    &[7, 5],
+    &[64, 33],
+    &[0],
+    &[4, 0],
+];
+
+fn check_unscale<B: AmpKernels>(device: &B::Device, dtype: FloatDType, seed: u64) {
+    let mut rng = Rng::new(seed);
+    let injects = [
+        Inject::Clean,
+        Inject::Nan,
+        Inject::PosInf,
+        Inject::NegInf,
+        Inject::All,
+    ];
+    for shape in SHAPES {
+        let n: usize = shape.iter().product();
+        for inject in injects {
+            for (inv, found0) in [(1.0 / 1024.0, 0.0), (1.0 / 3000.0, 0.0), (0.5, 1.0)] {
+                let what =
+                    format!("unscale {shape:?} {dtype:?} {inject:?} inv {inv} found {found0}");
+                let g = grad_values(&mut rng, n, inject);
+                let grad = tensor::<B>(g.clone(), shape, dtype, device);
+                let (outs, found) = B::unscale_and_check(
+                    vec![grad],
+                    scalar::<B>(inv, device),
+                    scalar::<B>(found0, device),
+                );
+                let grad_ref = tensor::<B>(g.clone(), shape, dtype, device);
+                let (refs, found_ref) = fallback::unscale_and_check::<B>(
+                    vec![grad_ref],
+                    scalar::<B>(inv, device),
+                    scalar::<B>(found0, device),
+                );
+                assert_eq!(outs.len(), 1);
+                let out = outs.into_iter().next().unwrap();
+                assert_eq!(out.shape(), Shape::from(shape.to_vec()), "{what}: shape");
+                assert_eq!(out.dtype(), DType::from(dtype), "{what}: dtype");
+                let out = values::<B>(out);
+                let expected = values::<B>(refs.into_iter().next().unwrap());
+                assert_close(&what, &out, &expected, EXACT);
+                let found = values::<B>(found);
+                let found_ref = values::<B>(found_ref);
+                assert_eq!(found, found_ref, "{what}: found_inf vs fallback");
+                let bad = n > 0 && inject != Inject::Clean;
+                let want = if bad || found0 == 1.0 { 1.0 } else { 0.0 };
+                assert_eq!(found, vec![want], "{what}: found_inf");
+            }
+        }
+    }
+}
+
+/// Several gradients of mixed sizes (one empty, one poisoned) in one call.
+fn check_unscale_list<B: AmpKernels>(device: &B::Device, dtype: FloatDType) {
+    let mut rng = Rng::new(7);
+    let shapes: [&[usize]; 6] = [&[1023], &[0], &[3], &[32, 32], &[4097], &[1]];
+    for poisoned in [None, Some(2usize), Some(4)] {
+        let data: Vec<Vec<f32>> = shapes
+            .iter()
+            .enumerate()
+            .map(|(i, s)| {
+                let inject = if Some(i) == poisoned {
+                    Inject::All
+                } else {
+                    Inject::Clean
+                };
+                grad_values(&mut rng, s.iter().product(), inject)
+            })
+            .collect();
+        let make = |data: &Vec<Vec<f32>>| -> Vec<FloatTensor<B>> {
+            data.iter()
+                .zip(shapes)
+                .map(|(d, s)| tensor::<B>(d.clone(), s, dtype, device))
+                .collect()
+        };
+        let inv = 1.0 / 65536.0;
+        let (outs, found) = B::unscale_and_check(
+            make(&data),
+            scalar::<B>(inv, device),
+            scalar::<B>(0.0, device),
+        );
+        let (refs, found_ref) = fallback::unscale_and_check::<B>(
+            make(&data),
+            scalar::<B>(inv, device),
+            scalar::<B>(0.0, device),
+        );
+        assert_eq!(outs.len(), shapes.len());
+        for (i, (o, r)) in outs.into_iter().zip(refs).enumerate() {
+            let what = format!("unscale list {dtype:?} poisoned {poisoned:?}, grad {i}");
+            assert_eq!(o.shape(), Shape::from(shapes[i].to_vec()), "{what}");
+            assert_close(&what, &values::<B>(o), &values::<B>(r), EXACT);
+        }
+        let want = if poisoned.is_some() { 1.0 } else { 0.0 };
+        assert_eq!(values::<B>(found), vec![want]);
+        assert_eq!(values::<B>(found_ref), vec![want]);
+    }
+}
+
+/// A clone the caller still holds never changes: the kernels only write in place into
+/// buffers nobody else holds.
+fn check_unscale_no_alias<B: AmpKernels>(device: &B::Device) {
+    let g = vec![1.0, 2.0, f32::INFINITY, 4.0];
+    let grad = tensor::<B>(g.clone(), &[4], FloatDType::F32, device);
+    let found = scalar::<B>(0.0, device);
+    let (outs, new_found) =
+        B::unscale_and_check(vec![grad.clone()], scalar::<B>(0.5, device), found.clone());
+    assert_eq!(
+        values::<B>(outs[0].clone()),
+        vec![0.5, 1.0, f32::INFINITY, 2.0]
+    );
+    assert_eq!(values::<B>(new_found), vec![1.0]);
+    // The held clones are untouched.
+    assert_eq!(values::<B>(grad), g);
+    assert_eq!(values::<B>(found), vec![0.0]);
+}
+
+// ---------------------------------------------------------------------------------------
+// update_scale
+// ---------------------------------------------------------------------------------------
+
+fn check_update_scale<B: AmpKernels>(device: &B::Device) {
+    // Overflow (1) / clean (0) script: growth, hysteresis, the min_scale floor and its
+    // counter, the max_scale ceiling.
+    let script = [
+        0, 0, 0, 0, 0, 0, 1, 0, 1, 1, 1, 1, 1, 1, 1, 1, 0, 1, 0, 0, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0,
+        0, 0, 0, 0, 1, 0, 0, 1, 1, 1,
+    ];
+    for hysteresis in [1u32, 3] {
+        for (start, min_scale, max_scale) in [(8.0f32, 1.0f32, 64.0f32), (65536.0, 0.5, 1e6)] {
+            let rule = ScaleRule {
+                growth_factor: 2.0,
+                backoff_factor: 0.5,
+                growth_interval: 2,
+                hysteresis,
+                min_scale,
+                max_scale,
+            };
+            let init = vec![start, 0.0, hysteresis as f32, 0.0];
+            let mut state = tensor::<B>(init.clone(), &[4], FloatDType::F32, device);
+            let mut state_ref = tensor::<B>(init, &[4], FloatDType::F32, device);
+            let (mut saw_floor, mut saw_ceiling) = (false, false);
+            for (i, &overflow) in script.iter().enumerate() {
+                let f = overflow as f32;
+                state = B::update_scale(state, scalar::<B>(f, device), rule);
+                state_ref = fallback::update_scale::<B>(state_ref, scalar::<B>(f, device), rule);
+                let got = values::<B>(state.clone());
+                let want = values::<B>(state_ref.clone());
+                assert_eq!(
+                    got, want,
+                    "update_scale step {i} (overflow {overflow}), {rule:?}: kernel vs fallback"
+                );
+                saw_floor |= got[3] > 0.0;
+                saw_ceiling |= got[0] == max_scale;
+            }
+            if start == 8.0 {
+                assert!(saw_floor && saw_ceiling, "the script reaches both clamps");
+            }
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// adamw_step
+// ---------------------------------------------------------------------------------------
+
+const STEP_SHAPES: &[&[usize]] = &[&[1], &[3], &[1023], &[4097], &[16, 24]];
+
+struct AdamState<B: Backend> {
+    p: FloatTensor<B>,
+    m: FloatTensor<B>,
+    v: FloatTensor<B>,
+}
+
+fn check_adamw<B: AmpKernels>(device: &B::Device, dtype: FloatDType) {
+    let h = AdamWHyper {
+        lr: 1e-2,
+        beta1: 0.9,
+        beta2: 0.999,
+        epsilon: 1e-8,
+        weight_decay: 0.01,
+    };
+    let tol = step_tol(dtype);
+    let mut rng = Rng::new(11);
+    for shape in STEP_SHAPES {
+        let n: usize = shape.iter().product();
+        let p0 = rng.vec(n, 1.0);
+        let new = |p: &Vec<f32>| AdamState::<B> {
+            p: tensor::<B>(p.clone(), shape, dtype, device),
+            m: tensor::<B>(vec![0.0; n], shape, FloatDType::F32, device),
+            v: tensor::<B>(vec![0.0; n], shape, FloatDType::F32, device),
+        };
+        let (mut k, mut r) = (new(&p0), new(&p0));
+        let scale = 1024.0f32;
+        // Step 3 overflows: skipped, and the step count does not move.
+        let plan = [false, false, true, false, false];
+        let mut t = 0.0f32;
+        for (i, &skip) in plan.iter().enumerate() {
+            let what = format!("adamw {shape:?} {dtype:?} step {i} skip {skip}");
+            let inject = if skip { Inject::All } else { Inject::Clean };
+            let g = grad_values(&mut rng, n, inject);
+            if !skip {
+                t += 1.0;
+            }
+            let found = if skip { 1.0 } else { 0.0 };
+            let before = if skip {
+                Some((
+                    read::<B>(k.p.clone()).1,
+                    read::<B>(k.m.clone()).1,
+                    read::<B>(k.v.clone()).1,
+                ))
+            } else {
+                None
+            };
+            let (p, m, v) = B::adamw_step(
+                k.p,
+                tensor::<B>(g.clone(), shape, dtype, device),
+                k.m,
+                k.v,
+                scalar::<B>(t, device),
+                scalar::<B>(1.0 / scale, device),
+                scalar::<B>(found, device),
+                h,
+            );
+            k = AdamState { p, m, v };
+            let (p, m, v) = fallback::adamw_step::<B>(
+                r.p,
+                tensor::<B>(g, shape, dtype, device),
+                r.m,
+                r.v,
+                scalar::<B>(t, device),
+                scalar::<B>(1.0 / scale, device),
+                scalar::<B>(found, device),
+                h,
+            );
+            r = AdamState { p, m, v };
+            assert_eq!(k.p.dtype(), DType::from(dtype), "{what}: param dtype");
+            assert_eq!(k.m.dtype(), DType::F32, "{what}: exp_avg dtype");
+            let (kp, kp_bytes, _) = read::<B>(k.p.clone());
+            let (km, km_bytes, _) = read::<B>(k.m.clone());
+            let (kv, kv_bytes, _) = read::<B>(k.v.clone());
+            if let Some((p_b, m_b, v_b)) = before {
+                assert!(kp_bytes == p_b, "{what}: param not bit-identical");
+                assert!(km_bytes == m_b, "{what}: exp_avg not bit-identical");
+                assert!(kv_bytes == v_b, "{what}: exp_avg_sq not bit-identical");
+            }
+            assert_close(
+                &format!("{what} param"),
+                &kp,
+                &values::<B>(r.p.clone()),
+                tol,
+            );
+            assert_close(
+                &format!("{what} exp_avg"),
+                &km,
+                &values::<B>(r.m.clone()),
+                F32_STEP,
+            );
+            assert_close(
+                &format!("{what} exp_avg_sq"),
+                &kv,
+                &values::<B>(r.v.clone()),
+                F32_STEP,
+            );
+            assert!(kp.iter().all(|x| x.is_finite()), "{what}: finite param");
+        }
+        // The parameters did move.
+        assert!(values::<B>(k.p) != tensor_values_rounded::<B>(&p0, shape, dtype, device));
+    }
+}
+
+fn tensor_values_rounded<B: Backend>(
+    v: &[f32],
+    shape: &[usize],
+    dtype: FloatDType,
+    device: &B::Device,
+) -> Vec<f32> {
+    values::<B>(tensor::<B>(v.to_vec(), shape, dtype, device))
+}
+
+/// Skipped steps with clones held by the caller: outputs bit-identical, clones untouched.
+fn check_adamw_skip_with_clones<B: AmpKernels>(device: &B::Device) {
+    let h = AdamWHyper {
+        lr: 1e-1,
+        beta1: 0.9,
+        beta2: 0.99,
+        epsilon: 1e-8,
+        weight_decay: 0.1,
+    };
+    let mut rng = Rng::new(5);
+    let n = 1000;
+    let p = tensor::<B>(rng.vec(n, 1.0), &[n], FloatDType::F16, device);
+    let m = tensor::<B>(rng.vec(n, 1.0), &[n], FloatDType::F32, device);
+    let v = tensor::<B>(
+        rng.vec(n, 1.0).iter().map(|x| x * x).collect(),
+        &[n],
+        FloatDType::F32,
+        device,
+    );
+    let (p_b, m_b, v_b) = (
+        read::<B>(p.clone()).1,
+        read::<B>(m.clone()).1,
+        read::<B>(v.clone()).1,
+    );
+    for found in [1.0f32, 0.0] {
+        let (p2, m2, v2) = B::adamw_step(
+            p.clone(),
+            tensor::<B>(
+                grad_values(&mut rng, n, Inject::Clean),
+                &[n],
+                FloatDType::F16,
+                device,
+            ),
+            m.clone(),
+            v.clone(),
+            scalar::<B>(3.0, device),
+            scalar::<B>(1.0, device),
+            scalar::<B>(found, device),
+            h,
+        );
+        let changed = read::<B>(p2).1 != p_b;
+        assert_eq!(
+            changed,
+            found == 0.0,
+            "the param moves iff the step is not skipped"
+        );
+        if found == 1.0 {
+            assert!(read::<B>(m2).1 == m_b && read::<B>(v2).1 == v_b);
+        }
+        // The inputs the caller held are untouched either way.
+        assert!(read::<B>(p.clone()).1 == p_b);
+        assert!(read::<B>(m.clone()).1 == m_b);
+        assert!(read::<B>(v.clone()).1 == v_b);
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// sgd_step
+// ---------------------------------------------------------------------------------------
+
+fn check_sgd<B: AmpKernels>(device: &B::Device, dtype: FloatDType) {
+    let configs = [
+        // (momentum, dampening, weight_decay, nesterov)
+        (0.0, 0.0, 0.0, false),
+        (0.0, 0.0, 1e-2, false),
+        (0.9, 0.0, 0.0, false),
+        (0.9, 0.1, 1e-2, false),
+        (0.9, 0.0, 1e-2, true),
+    ];
+    let tol = step_tol(dtype);
+    let mut rng = Rng::new(13);
+    for (momentum, dampening, weight_decay, nesterov) in configs {
+        let h = SgdHyper {
+            lr: 0.05,
+            momentum,
+            dampening,
+            weight_decay,
+            nesterov,
+        };
+        // First step skipped (the buffer is created as zeros, as the fallback does), and a
+        // later one.
+        let plans: [&[bool]; 2] = [&[false, false, true, false], &[true, false, false]];
+        for plan in plans {
+            for shape in STEP_SHAPES {
+                let n: usize = shape.iter().product();
+                let p0 = rng.vec(n, 1.0);
+                let mut kp = tensor::<B>(p0.clone(), shape, dtype, device);
+                let mut rp = tensor::<B>(p0, shape, dtype, device);
+                let (mut kb, mut rb): (Option<FloatTensor<B>>, Option<FloatTensor<B>>) =
+                    (None, None);
+                for (i, &skip) in plan.iter().enumerate() {
+                    let what = format!("sgd {h:?} {shape:?} {dtype:?} plan {plan:?} step {i}");
+                    let inject = if skip { Inject::All } else { Inject::Clean };
+                    let g = grad_values(&mut rng, n, inject);
+                    let found = if skip { 1.0 } else { 0.0 };
+                    let before = if skip {
+                        Some((read::<B>(kp.clone()).1, kb.clone().map(|b| read::<B>(b).1)))
+                    } else {
+                        None
+                    };
+                    let (p, b) = B::sgd_step(
+                        kp,
+                        tensor::<B>(g.clone(), shape, dtype, device),
+                        kb,
+                        scalar::<B>(1.0 / 256.0, device),
+                        scalar::<B>(found, device),
+                        h,
+                    );
+                    (kp, kb) = (p, b);
+                    let (p, b) = fallback::sgd_step::<B>(
+                        rp,
+                        tensor::<B>(g, shape, dtype, device),
+                        rb,
+                        scalar::<B>(1.0 / 256.0, device),
+                        scalar::<B>(found, device),
+                        h,
+                    );
+                    (rp, rb) = (p, b);
+                    assert_eq!(kb.is_some(), rb.is_some(), "{what}: buffer presence");
+                    assert_eq!(kp.dtype(), DType::from(dtype), "{what}: param dtype");
+                    let (pv, pbytes, _) = read::<B>(kp.clone());
+                    if let Some((p_b, b_b)) = before {
+                        assert!(pbytes == p_b, "{what}: param not bit-identical");
+                        if let (Some(b_b), Some(kb)) = (b_b, kb.clone()) {
+                            assert!(read::<B>(kb).1 == b_b, "{what}: buffer not bit-identical");
+                        }
+                    }
+                    assert_close(&format!("{what} param"), &pv, &values::<B>(rp.clone()), tol);
+                    if let (Some(kb), Some(rb)) = (kb.clone(), rb.clone()) {
+                        assert_eq!(kb.dtype(), DType::F32, "{what}: buffer dtype");
+                        assert_close(
+                            &format!("{what} buffer"),
+                            &values::<B>(kb),
+                            &values::<B>(rb),
+                            F32_STEP,
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Empty parameters come back as they are.
+fn check_empty_steps<B: AmpKernels>(device: &B::Device) {
+    let e = || tensor::<B>(vec![], &[0, 3], FloatDType::F32, device);
+    let (p, m, v) = B::adamw_step(
+        e(),
+        e(),
+        e(),
+        e(),
+        scalar::<B>(1.0, device),
+        scalar::<B>(1.0, device),
+        scalar::<B>(0.0, device),
+        AdamWHyper {
+            lr: 1e-3,
+            beta1: 0.9,
+            beta2: 0.999,
+            epsilon: 1e-8,
+            weight_decay: 0.0,
+        },
+    );
+    for t in [p, m, v] {
+        assert_eq!(t.shape(), Shape::new([0, 3]));
+    }
+    let (p, b) = B::sgd_step(
+        e(),
+        e(),
+        Some(e()),
+        scalar::<B>(1.0, device),
+        scalar::<B>(0.0, device),
+        SgdHyper {
+            lr: 0.1,
+            momentum: 0.9,
+            dampening: 0.0,
+            weight_decay: 0.0,
+            nesterov: false,
+        },
+    );
+    assert_eq!(p.shape(), Shape::new([0, 3]));
+    assert_eq!(b.unwrap().shape(), Shape::new([0, 3]));
+}
+
+// ---------------------------------------------------------------------------------------
+// The tests: every check on Wgpu (fusion) and on the bare CubeBackend.
+// ---------------------------------------------------------------------------------------
+
+macro_rules! on_both {
+    ($name:ident, |$b:ident, $dev:ident| $body:expr) => {
+        mod $name {
+            use super::*;
+            #[test]
+            fn fusion() {
+                if let Some(device) = devices() {
+                    common::big_stack(move || {
+                        let $dev = &device;
+                        type $b = Wgpu;
+                        $body
+                    });
+                }
+            }
+            #[test]
+            fn cube() {
+                if let Some(device) = devices() {
+                    common::big_stack(move || {
+                        let $dev = &device;
+                        type $b = Cube;
+                        $body
+                    });
+                }
+            }
+        }
+    };
+}
+
+on_both!(unscale_f32, |B, d| check_unscale::<B>(
+    d,
+    FloatDType::F32,
+    1
+));
+on_both!(unscale_f16, |B, d| check_unscale::<B>(
+    d,
+    FloatDType::F16,
+    2
+));
+on_both!(unscale_list_f32, |B, d| check_unscale_list::<B>(
+    d,
+    FloatDType::F32
+));
+on_both!(unscale_list_f16, |B, d| check_unscale_list::<B>(
+    d,
+    FloatDType::F16
+));
+on_both!(unscale_never_writes_held_clones, |B, d| {
+    check_unscale_no_alias::<B>(d)
+});
+on_both!(update_scale_script, |B, d| check_update_scale::<B>(d));
+on_both!(adamw_f32, |B, d| check_adamw::<B>(d, FloatDType::F32));
+on_both!(adamw_f16, |B, d| check_adamw::<B>(d, FloatDType::F16));
+on_both!(adamw_skip_with_held_clones, |B, d| {
+    check_adamw_skip_with_clones::<B>(d)
+});
+on_both!(sgd_f32, |B, d| check_sgd::<B>(d, FloatDType::F32));
+on_both!(sgd_f16, |B, d| check_sgd::<B>(d, FloatDType::F16));
+on_both!(empty_steps, |B, d| check_empty_steps::<B>(d));

@@ -1,0 +1,529 @@
+//! The loss scaler: config validation, the state machine, the scale trajectory, skipped
+//! steps that change nothing, zero host reads with a fused optimizer, save and resume.
+
+mod common;
+
+use burn::backend::{Autodiff, Flex};
+use burn::module::{AutodiffModule, Module, ParamId};
+use burn::optim::{AdamConfig, GradientsParams, Optimizer};
+use burn::prelude::*;
+use burn::record::{BinBytesRecorder, FullPrecisionSettings, Recorder};
+use burn::tensor::backend::AutodiffBackend;
+use burn_amp::demo::{ReversalTask, TinyLm, TinyLmConfig};
+use burn_amp::scaler::{
+    FusedAdamW, FusedAdamWConfig, FusedSgdConfig, GradScaler, GradScalerConfig, GradScalerRecord,
+    ScalerError, Stage,
+};
+use burn_amp::{Amp, Precision, autocast, host_reads};
+
+type B = Amp<Autodiff<Flex>>;
+type Inner = <B as AutodiffBackend>::InnerBackend;
+
+fn small_config() -> TinyLmConfig {
+    TinyLmConfig::new()
+        .with_d_model(16)
+        .with_d_ff(32)
+        .with_n_layers(1)
+        .with_dropout(0.0)
+}
+
+#[test]
+fn invalid_configs_are_named_errors() {
+    let device = Default::default();
+    let cases: [(GradScalerConfig, &str); 6] = [
+        (
+            GradScalerConfig::new().with_growth_factor(1.0),
+            "growth_factor",
+        ),
+        (
+            GradScalerConfig::new().with_growth_factor(0.5),
+            "growth_factor",
+        ),
+        (
+            GradScalerConfig::new().with_backoff_factor(1.0),
+            "backoff_factor",
+        ),
+        (
+            GradScalerConfig::new().with_backoff_factor(0.0),
+            "backoff_factor",
+        ),
+        (
+            GradScalerConfig::new().with_growth_interval(0),
+            "growth_interval",
+        ),
+        (
+            GradScalerConfig::new().with_init_scale(f32::INFINITY),
+            "init_scale",
+        ),
+    ];
+    for (config, field) in cases {
+        match config.init::<B>(&device, Precision::F16) {
+            Err(ScalerError::InvalidConfig { field: f, .. }) => assert_eq!(f, field),
+            other => panic!(
+                "{field}: expected InvalidConfig, got {:?}",
+                other.map(|_| ())
+            ),
+        }
+    }
+    assert!(
+        GradScalerConfig::new()
+            .with_init_scale(f32::NAN)
+            .validate()
+            .is_err()
+    );
+    assert!(
+        GradScalerConfig::new()
+            .with_hysteresis(0)
+            .validate()
+            .is_err()
+    );
+    let msg = GradScalerConfig::new()
+        .with_backoff_factor(2.0)
+        .validate()
+        .unwrap_err()
+        .to_string();
+    assert!(
+        msg.contains("backoff_factor") && msg.contains("(0, 1)"),
+        "{msg}"
+    );
+}
+
+/// The gradients of one fixed batch.
+fn grads_of(model: &TinyLm<B>) -> GradientsParams {
+    let _g = autocast(Precision::F16);
+    let device = Default::default();
+    let config = small_config();
+    let (x, y) = ReversalTask::new(config.vocab, config.seq_len, 3).batch::<B>(4, &device);
+    GradientsParams::from_grads(model.loss(x, y).backward(), model)
+}
+
+/// One tiny model, one step's gradients.
+fn model_and_grads(
+    device: &<B as burn::tensor::backend::BackendTypes>::Device,
+) -> (TinyLm<B>, GradientsParams) {
+    B::seed(device, 1);
+    let model = small_config().init::<B>(device);
+    let grads = grads_of(&model);
+    (model, grads)
+}
+
+#[test]
+fn misuse_is_a_named_error() {
+    let device = Default::default();
+    let (model, grads) = model_and_grads(&device);
+    let mut scaler = GradScalerConfig::new()
+        .init::<B>(&device, Precision::F16)
+        .unwrap();
+    let mut optim = AdamConfig::new().init::<B, TinyLm<B>>();
+
+    assert_eq!(scaler.update(), Err(ScalerError::UpdateBeforeStep));
+    let mut g = grads;
+    scaler.unscale(&model, &mut g).unwrap();
+    assert_eq!(scaler.stage(), Stage::Unscaled);
+    assert_eq!(
+        scaler.unscale(&model, &mut g),
+        Err(ScalerError::UnscaleTwice)
+    );
+    let (model, _) = scaler.step(&mut optim, 1e-3, model, g).unwrap();
+    assert_eq!(scaler.stage(), Stage::Stepped);
+    let mut g2 = grads_of(&model);
+    assert_eq!(
+        scaler.unscale(&model, &mut g2),
+        Err(ScalerError::UnscaleAfterStep)
+    );
+    assert!(matches!(
+        scaler.step(&mut optim, 1e-3, model.clone(), g2),
+        Err(ScalerError::StepTwice)
+    ));
+    scaler.update().unwrap();
+    assert_eq!(scaler.stage(), Stage::Ready);
+}
+
+/// The semantics, written out on the host: the reference for the device update.
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct HostScaler {
+    scale: f32,
+    tracker: u32,
+    hysteresis_left: u32,
+}
+
+impl HostScaler {
+    fn step(&mut self, overflow: bool, c: &GradScalerConfig) {
+        if overflow {
+            self.tracker = 0;
+            if self.hysteresis_left <= 1 {
+                self.scale = (self.scale * c.backoff_factor).max(c.min_scale);
+            } else {
+                self.hysteresis_left -= 1;
+            }
+        } else {
+            self.tracker += 1;
+            if self.tracker >= c.growth_interval {
+                self.scale = (self.scale * c.growth_factor).min(c.max_scale);
+                self.tracker = 0;
+                self.hysteresis_left = c.hysteresis;
+            }
+        }
+    }
+}
+
+/// Multiplies one parameter's gradient by NaN or inf.
+fn poison<M: AutodiffModule<B>>(grads: &mut GradientsParams, id: ParamId, value: f32) {
+    let g = grads.remove::<Inner, 2>(id).expect("a 2-d gradient");
+    let bad = g
+        .clone()
+        .slice([0..1, 0..1])
+        .mul_scalar(0.0)
+        .add_scalar(value);
+    grads.register::<Inner, 2>(id, g.slice_assign([0..1, 0..1], bad));
+}
+
+fn trajectory(hysteresis: u32) {
+    let device = Default::default();
+    let config = GradScalerConfig::new()
+        .with_init_scale(1024.0)
+        .with_growth_interval(3)
+        .with_hysteresis(hysteresis)
+        .with_min_scale(64.0)
+        .with_max_scale(4096.0);
+    let script = [
+        false, true, false, false, false, false, false, false, true, true, true, true, true, true,
+        false, false, false, false, false, false, false, false, false, false, false, true,
+    ];
+    let (mut model, _) = model_and_grads(&device);
+    let mut scaler = config.init::<B>(&device, Precision::F16).unwrap();
+    let mut optim = FusedSgdConfig::new().init::<B>();
+    let mut host = HostScaler {
+        scale: 1024.0,
+        tracker: 0,
+        hysteresis_left: hysteresis,
+    };
+    let head = model.head.weight.id;
+    for (i, overflow) in script.into_iter().enumerate() {
+        let mut grads = grads_of(&model);
+        if overflow {
+            poison::<TinyLm<B>>(
+                &mut grads,
+                head,
+                if i % 2 == 0 {
+                    f32::NAN
+                } else {
+                    f32::NEG_INFINITY
+                },
+            );
+        }
+        let (m, report) = scaler.step_fused(&mut optim, 1e-3, model, grads).unwrap();
+        model = m;
+        assert_eq!(report.skipped(), overflow, "step {i}");
+        scaler.update().unwrap();
+        host.step(overflow, &config);
+        let record = scaler.record();
+        assert_eq!(
+            (
+                record.scale,
+                record.growth_tracker as u32,
+                record.hysteresis_left as u32
+            ),
+            (host.scale, host.tracker, host.hysteresis_left),
+            "step {i} (hysteresis {hysteresis})"
+        );
+    }
+}
+
+#[test]
+fn scale_trajectory_follows_the_semantics() {
+    trajectory(1);
+}
+
+#[test]
+fn scale_trajectory_with_hysteresis() {
+    trajectory(3);
+}
+
+#[test]
+fn stuck_at_the_floor_is_reported() {
+    let device = Default::default();
+    let config = GradScalerConfig::new()
+        .with_init_scale(4.0)
+        .with_min_scale(1.0)
+        .with_max_floor_overflows(3);
+    let (mut model, _) = model_and_grads(&device);
+    let mut scaler = config.init::<B>(&device, Precision::F16).unwrap();
+    let mut optim = FusedSgdConfig::new().init::<B>();
+    let head = model.head.weight.id;
+    for _ in 0..6 {
+        let mut grads = grads_of(&model);
+        poison::<TinyLm<B>>(&mut grads, head, f32::INFINITY);
+        model = scaler.step_fused(&mut optim, 1e-3, model, grads).unwrap().0;
+        scaler.update().unwrap();
+    }
+    // 4 -> 2 -> 1, then overflows at the floor: 4 of them >= 3.
+    let err = scaler.check().unwrap_err();
+    assert!(
+        matches!(err, ScalerError::StuckAtMinScale { overflows: 4, .. }),
+        "{err:?}"
+    );
+    assert!(err.to_string().contains("Precision::Bf16"));
+}
+
+fn params_of(model: &TinyLm<B>) -> Vec<f32> {
+    let mut out = Vec::new();
+    for p in [&model.tokens.weight, &model.positions.weight] {
+        out.extend(p.val().into_data().to_vec::<f32>().unwrap());
+    }
+    out.extend(model.head.weight.val().into_data().to_vec::<f32>().unwrap());
+    out
+}
+
+/// An f16 run with poisoned gradients at chosen steps: exactly those are skipped, with the
+/// parameters unchanged bit for bit, and the run still learns.
+fn poisoned_run(fused: bool) {
+    common::big_stack(move || {
+        let device = Default::default();
+        let _g = autocast(Precision::F16);
+        B::seed(&device, 5);
+        let config = small_config();
+        let mut model = config.init::<B>(&device);
+        let mut task = ReversalTask::new(config.vocab, config.seq_len, 9);
+        let mut scaler = GradScalerConfig::new()
+            .with_growth_interval(50)
+            .init::<B>(&device, Precision::F16)
+            .unwrap();
+        let mut adamw = FusedAdamWConfig::new().with_weight_decay(0.0).init::<B>();
+        let mut adam = AdamConfig::new().init::<B, TinyLm<B>>();
+        let poisoned = [3usize, 40, 41, 150];
+        let mut skipped = Vec::new();
+        let (mut first, mut last) = (0.0, 0.0);
+        for step in 0..250 {
+            let (x, y) = task.batch::<B>(32, &device);
+            let loss = model.loss(x, y);
+            let value: f32 = loss.clone().into_scalar().elem();
+            if step == 0 {
+                first = value;
+            }
+            last = value;
+            let mut grads = GradientsParams::from_grads(scaler.scale(loss).backward(), &model);
+            if poisoned.contains(&step) {
+                poison::<TinyLm<B>>(&mut grads, model.head.weight.id, f32::NAN);
+            }
+            let before = poisoned.contains(&step).then(|| params_of(&model));
+            let (m, report) = if fused {
+                scaler.step_fused(&mut adamw, 3e-3, model, grads).unwrap()
+            } else {
+                scaler.step(&mut adam, 3e-3, model, grads).unwrap()
+            };
+            model = m;
+            if report.skipped() {
+                skipped.push(step);
+            }
+            if let Some(before) = before {
+                let after = params_of(&model);
+                assert!(
+                    before
+                        .iter()
+                        .zip(&after)
+                        .all(|(a, b)| a.to_bits() == b.to_bits()),
+                    "step {step}: a skipped step changed the parameters"
+                );
+            }
+            scaler.update().unwrap();
+        }
+        assert_eq!(skipped, poisoned, "exactly the poisoned steps are skipped");
+        assert!(
+            last < 0.5 * first,
+            "the run learns despite the skips: {first} -> {last}"
+        );
+    });
+}
+
+#[test]
+fn poisoned_steps_are_skipped_fused() {
+    poisoned_run(true);
+}
+
+#[test]
+fn poisoned_steps_are_skipped_with_any_optimizer() {
+    poisoned_run(false);
+}
+
+#[test]
+fn a_fused_scaled_step_reads_nothing_back() {
+    common::big_stack(|| {
+        let device = Default::default();
+        let _g = autocast(Precision::F16);
+        let config = small_config();
+        let mut model = config.init::<B>(&device);
+        let mut task = ReversalTask::new(config.vocab, config.seq_len, 2);
+        let mut scaler = GradScalerConfig::new()
+            .init::<B>(&device, Precision::F16)
+            .unwrap();
+        let mut fused = FusedAdamWConfig::new().init::<B>();
+        let mut adam = AdamConfig::new().init::<B, TinyLm<B>>();
+        let mut step = |model: TinyLm<B>, use_fused: bool| {
+            let (x, y) = task.batch::<B>(8, &device);
+            let reads = host_reads();
+            let loss = model.loss(x, y);
+            let grads = GradientsParams::from_grads(scaler.scale(loss).backward(), &model);
+            let (model, _) = if use_fused {
+                scaler.step_fused(&mut fused, 1e-3, model, grads).unwrap()
+            } else {
+                scaler.step(&mut adam, 1e-3, model, grads).unwrap()
+            };
+            scaler.update().unwrap();
+            (model, host_reads() - reads)
+        };
+        for _ in 0..3 {
+            let (m, reads) = step(model, true);
+            model = m;
+            assert_eq!(reads, 0, "a fused scaled step read from the device");
+        }
+        let (_, reads) = step(model, false);
+        assert_eq!(reads, 1, "the non-fused path reads found_inf once");
+    });
+}
+
+#[test]
+fn bf16_and_f32_pass_through() {
+    let device = Default::default();
+    for precision in [Precision::Bf16, Precision::F32] {
+        let (model, grads) = model_and_grads(&device);
+        let mut scaler = GradScalerConfig::new()
+            .init::<B>(&device, precision)
+            .unwrap();
+        assert!(!scaler.is_enabled());
+        let loss = Tensor::<B, 1>::from_floats([2.5], &device);
+        let scaled: f32 = scaler.scale(loss).into_scalar().elem();
+        assert_eq!(scaled, 2.5);
+        let mut optim = FusedAdamWConfig::new().init::<B>();
+        let (_, report) = scaler.step_fused(&mut optim, 1e-3, model, grads).unwrap();
+        assert!(!report.skipped());
+        scaler.update().unwrap();
+    }
+}
+
+fn save<R: burn::record::Record<B>>(record: R) -> Vec<u8> {
+    BinBytesRecorder::<FullPrecisionSettings>::default()
+        .record(record, ())
+        .unwrap()
+}
+
+fn load<R: burn::record::Record<B>>(bytes: Vec<u8>) -> R {
+    BinBytesRecorder::<FullPrecisionSettings>::default()
+        .load(bytes, &Default::default())
+        .unwrap()
+}
+
+/// A plain chain (no tensor feeding several consumers), so that autodiff's order of
+/// gradient accumulation cannot vary between runs: what is compared is the saved state.
+#[derive(Module, Debug)]
+struct Mlp<B: Backend> {
+    l1: burn::nn::Linear<B>,
+    l2: burn::nn::Linear<B>,
+}
+
+impl<B: Backend> Mlp<B> {
+    fn new(device: &B::Device) -> Self {
+        Self {
+            l1: burn::nn::LinearConfig::new(8, 32).init(device),
+            l2: burn::nn::LinearConfig::new(32, 4).init(device),
+        }
+    }
+
+    fn loss(&self, x: Tensor<B, 2>, y: Tensor<B, 1, Int>) -> Tensor<B, 1> {
+        let logits = self
+            .l2
+            .forward(burn::tensor::activation::gelu(self.l1.forward(x)));
+        burn::nn::loss::CrossEntropyLossConfig::new()
+            .init(&logits.device())
+            .forward(logits, y)
+    }
+
+    fn params(&self) -> Vec<u32> {
+        [&self.l1.weight, &self.l2.weight]
+            .into_iter()
+            .flat_map(|p| p.val().into_data().to_vec::<f32>().unwrap())
+            .map(f32::to_bits)
+            .collect()
+    }
+}
+
+/// A batch fixed by the step number: the class is the argmax of the first 4 features.
+fn mlp_batch(
+    step: usize,
+    device: &<B as burn::tensor::backend::BackendTypes>::Device,
+) -> (Tensor<B, 2>, Tensor<B, 1, Int>) {
+    let mut task = ReversalTask::new(97, 8, step as u64);
+    let (tokens, _) = task.batch::<B>(16, device);
+    let x = tokens.float().div_scalar(48.0).sub_scalar(1.0);
+    let y = x.clone().slice([0..16, 0..4]).argmax(1).squeeze_dim::<1>(1);
+    (x, y)
+}
+
+/// Runs `steps` scaled steps; NaN poisons step 7 (so the scale moves).
+fn run(
+    model: Mlp<B>,
+    scaler: &mut GradScaler<B>,
+    optim: &mut FusedAdamW<B>,
+    steps: std::ops::Range<usize>,
+) -> Mlp<B> {
+    let device = Default::default();
+    let mut model = model;
+    for step in steps {
+        let (x, y) = mlp_batch(step, &device);
+        let loss = model.loss(x, y);
+        let mut grads = GradientsParams::from_grads(scaler.scale(loss).backward(), &model);
+        if step == 7 {
+            let id = model.l2.weight.id;
+            let g = grads.remove::<Inner, 2>(id).unwrap();
+            grads.register::<Inner, 2>(id, g.mul_scalar(f32::NAN));
+        }
+        model = scaler.step_fused(optim, 1e-2, model, grads).unwrap().0;
+        scaler.update().unwrap();
+    }
+    model
+}
+
+#[test]
+fn save_and_resume_continue_identically() {
+    common::big_stack(|| {
+        let device = Default::default();
+        let _g = autocast(Precision::F16);
+        B::seed(&device, 3);
+        // Burn initialises parameters lazily, per clone: materialise them once, then clone.
+        let init = Mlp::<B>::new(&device);
+        let init = Mlp::<B>::new(&device).load_record(init.into_record());
+        let scaler_config = GradScalerConfig::new().with_growth_interval(4);
+
+        // Uninterrupted.
+        let mut scaler = scaler_config.init::<B>(&device, Precision::F16).unwrap();
+        let mut optim = FusedAdamWConfig::new().init::<B>();
+        let straight = run(init.clone(), &mut scaler, &mut optim, 0..20);
+        let straight_scaler = scaler.record();
+
+        // Stopped after step 10, saved to bytes, loaded into fresh objects.
+        let mut scaler = scaler_config.init::<B>(&device, Precision::F16).unwrap();
+        let mut optim = FusedAdamWConfig::new().init::<B>();
+        let half = run(init.clone(), &mut scaler, &mut optim, 0..10);
+        let model_bytes = save(half.into_record());
+        let scaler_bytes = save(scaler.record());
+        let optim_bytes = save(Optimizer::<Mlp<B>, B>::to_record(&optim));
+
+        let model = Mlp::<B>::new(&device).load_record(load(model_bytes));
+        let scaler_record: GradScalerRecord = load(scaler_bytes);
+        let mut scaler = scaler_config
+            .init::<B>(&device, Precision::F16)
+            .unwrap()
+            .load_record(scaler_record.clone());
+        let mut optim = Optimizer::<Mlp<B>, B>::load_record(
+            FusedAdamWConfig::new().init::<B>(),
+            load(optim_bytes),
+        );
+        assert_eq!(scaler.record(), scaler_record);
+        let resumed = run(model, &mut scaler, &mut optim, 10..20);
+
+        assert_eq!(straight.params(), resumed.params(), "resumed run differs");
+        assert_eq!(straight_scaler, scaler.record(), "scaler state differs");
+        // The poisoned step moved the scale: the trajectory was really exercised.
+        assert!(straight_scaler.scale != 65536.0);
+    });
+}
