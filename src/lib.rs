@@ -7,6 +7,10 @@
 //!   attention; f32 for exp, log, softmax, reductions and norms; promotion for mixed dtypes).
 //!   The policy is one table: [`autocast::policy`].
 //! - [`Precision`] and [`autocast()`]: the per-thread precision, with a scoped override.
+//! - [`GradientAccumulation`]: any optimizer made to step once per N micro-batches, on
+//!   their mean (f32 sums), loss-scaling aware, resumable mid-window ([`accumulate`]).
+//! - [`Frozen`]: a module whose parameters take no gradient and no optimizer state, and can
+//!   be stored in bf16/f16, while the gradient flows through it ([`frozen`]).
 //!
 //! ```no_run
 //! use burn::backend::{Autodiff, Flex};
@@ -18,13 +22,18 @@
 //! ```
 #![warn(missing_docs)]
 
+pub mod accumulate;
 pub mod autocast;
 pub mod demo;
 pub mod error;
+pub mod frozen;
 pub mod kernels;
+pub mod memory;
 pub mod precision;
 pub mod scaler;
 
+pub use accumulate::{GradientAccumulation, GradientAccumulationConfig, Reduction};
 pub use autocast::{Amp, host_reads};
 pub use error::AmpError;
+pub use frozen::{Frozen, freeze};
 pub use precision::{AutocastGuard, Precision, autocast};

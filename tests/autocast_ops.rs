@@ -282,3 +282,51 @@ fn categories_match_the_shared_policy() {
     }
     let _ = Tolerance::F32;
 }
+
+/// Batch norm and group norm have no backend op in 0.21: burn-nn composes them from
+/// mean/sub/powi. The composition must accumulate in f32: given f16 activations they
+/// return f32, close to the f32 reference.
+#[test]
+fn composed_norms_accumulate_in_f32() {
+    use burn::nn::{BatchNormConfig, GroupNormConfig};
+    use burn::tensor::{Distribution, Tensor};
+    type A = Amp<Flex>;
+    let device = Default::default();
+    let x = Tensor::<Flex, 4>::random([4, 6, 5, 5], Distribution::Normal(3.0, 2.0), &device);
+    let bn = BatchNormConfig::new(6).init::<Flex>(&device);
+    let gn = GroupNormConfig::new(2, 6).init::<Flex>(&device);
+    let bn_ref = bn.forward(x.clone());
+    let gn_ref = gn.forward(x.clone());
+
+    let _g = autocast(Precision::F16);
+    let x_amp = Tensor::<A, 4>::from_data(x.to_data(), &device).cast(DType::F16);
+    let bn_amp = BatchNormConfig::new(6).init::<A>(&device);
+    let gn_amp = GroupNormConfig::new(2, 6).init::<A>(&device);
+    for (name, out, reference) in [
+        ("batch norm", bn_amp.forward(x_amp.clone()), bn_ref),
+        ("group norm", gn_amp.forward(x_amp), gn_ref),
+    ] {
+        assert_eq!(out.dtype(), DType::F32, "{name} accumulates in f32");
+        let got = out.into_data().to_vec::<f32>().unwrap();
+        let want = reference.into_data().to_vec::<f32>().unwrap();
+        // Inputs rounded to f16 (|x| < ~12: error < 4e-3), normalised by std ~2.
+        let worst = got
+            .iter()
+            .zip(&want)
+            .map(|(g, w)| (g - w).abs())
+            .fold(0.0, f32::max);
+        assert!(worst < 5e-3, "{name}: max error {worst}");
+    }
+}
+
+#[cfg(feature = "cuda")]
+#[test]
+fn every_op_follows_the_policy_cuda_f16() {
+    run_all::<burn_cuda::Cuda>(Default::default(), Precision::F16);
+}
+
+#[cfg(feature = "cuda")]
+#[test]
+fn every_op_follows_the_policy_cuda_bf16() {
+    run_all::<burn_cuda::Cuda>(Default::default(), Precision::Bf16);
+}

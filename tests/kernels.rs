@@ -100,15 +100,15 @@ const EXACT: Tol = Tol {
     atol: 0.0,
 };
 const F32_STEP: Tol = Tol {
-    rtol: 0.0,
-    atol_of_max: 0.0,
+    rtol: 1e-6,
+    atol_of_max: 1e-6,
     atol: 0.0,
 };
 /// One f16 rounding: half an ulp is 2^-11 relative; allow a full ulp.
 const F16_STEP: Tol = Tol {
-    rtol: 0.0,
+    rtol: 1.0 / 1024.0,
     atol_of_max: 0.0,
-    atol: 0.0,
+    atol: 1.0 / 16_777_216.0,
 };
 
 fn step_tol(dtype: FloatDType) -> Tol {

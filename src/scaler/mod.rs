@@ -139,6 +139,8 @@ where
     /// f32 `[1]` of this step, from `unscale`.
     found_inf: Option<Tensor<B::InnerBackend, 1>>,
     inv_scale: Option<Tensor<B::InnerBackend, 1>>,
+    /// Times the scale may have changed: each `update` and `load_record`.
+    generation: u64,
 }
 
 impl GradScalerConfig {
@@ -162,6 +164,7 @@ impl GradScalerConfig {
             state,
             found_inf: None,
             inv_scale: None,
+            generation: 0,
         })
     }
 }
@@ -191,6 +194,14 @@ where
     /// The configuration.
     pub fn config(&self) -> &GradScalerConfig {
         &self.config
+    }
+
+    /// A counter of the events that may change the scale (each [`update`](Self::update) and
+    /// [`load_record`](Self::load_record)), read without touching the device. Equal values
+    /// mean the scale did not change in between: gradient accumulation uses it to check
+    /// that every micro-batch of a window was scaled alike.
+    pub fn scale_generation(&self) -> u64 {
+        self.generation
     }
 
     fn scale_tensor(&self) -> Tensor<B::InnerBackend, 1> {
@@ -315,6 +326,7 @@ where
         }
         self.stage = Stage::Ready;
         self.inv_scale = None;
+        self.generation += 1;
         let Some(found_inf) = self.found_inf.take() else {
             return Ok(());
         };
@@ -378,6 +390,7 @@ where
         self.stage = Stage::Ready;
         self.found_inf = None;
         self.inv_scale = None;
+        self.generation += 1;
         self
     }
 }

@@ -1,0 +1,215 @@
+//! Autocast figures, measured side by side in one run:
+//! - overhead: a forward+backward step under `Amp<Autodiff<Flex>>` with autocast off
+//!   (`Precision::F32`) against `Autodiff<Flex>`, for an MLP and for the TinyLm
+//!   transformer (target: ratio <= 1.03);
+//! - memory: the peak device memory in use of one training step of an activation-heavy MLP,
+//!   `Amp<Autodiff<Wgpu>>` in f16 against `Autodiff<Wgpu>` in f32 on lavapipe (target <= 0.6).
+//!
+//! `cargo bench --bench autocast` (add `-- --quick` for a short run; `cargo test` runs it
+//! quick, as a smoke test). Prints a table, then
+//! one JSON line.
+
+use std::time::{Duration, Instant};
+
+use burn::backend::{Autodiff, Flex, Wgpu};
+use burn::module::Module;
+use burn::nn::{Linear, LinearConfig};
+use burn::prelude::*;
+use burn::tensor::backend::AutodiffBackend;
+use burn_amp::demo::{ReversalTask, TinyLmConfig};
+use burn_amp::memory::{DeviceMemory, PeakMemory};
+use burn_amp::{Amp, Precision, autocast};
+
+#[derive(Module, Debug)]
+struct Mlp<B: Backend> {
+    layers: Vec<Linear<B>>,
+}
+
+impl<B: Backend> Mlp<B> {
+    fn new(width: usize, depth: usize, device: &B::Device) -> Self {
+        Self {
+            layers: (0..depth)
+                .map(|_| LinearConfig::new(width, width).init(device))
+                .collect(),
+        }
+    }
+
+    fn forward(&self, mut x: Tensor<B, 2>) -> Tensor<B, 2> {
+        for layer in &self.layers {
+            x = burn::tensor::activation::gelu(layer.forward(x));
+        }
+        x
+    }
+}
+
+fn median(mut v: Vec<Duration>) -> Duration {
+    v.sort();
+    v[v.len() / 2]
+}
+
+/// Times `a` and `b` interleaved (a, b, a, b, ...) so that both see the same machine load.
+fn side_by_side(iters: usize, mut a: impl FnMut(), mut b: impl FnMut()) -> (Duration, Duration) {
+    for _ in 0..3 {
+        a();
+        b();
+    }
+    let (mut ta, mut tb) = (Vec::new(), Vec::new());
+    for _ in 0..iters {
+        let t = Instant::now();
+        a();
+        ta.push(t.elapsed());
+        let t = Instant::now();
+        b();
+        tb.push(t.elapsed());
+    }
+    (median(ta), median(tb))
+}
+
+fn mlp_step<B: AutodiffBackend>(model: &Mlp<B>, x: &Tensor<B, 2>) {
+    let loss = model.forward(x.clone()).powi_scalar(2).mean();
+    let _grads = loss.backward();
+}
+
+fn lm_step<B: AutodiffBackend>(
+    model: &burn_amp::demo::TinyLm<B>,
+    batch: &(Tensor<B, 2, Int>, Tensor<B, 2, Int>),
+) {
+    let _grads = model.loss(batch.0.clone(), batch.1.clone()).backward();
+}
+
+fn overhead(iters: usize) -> (f64, f64, Duration, Duration, Duration, Duration) {
+    type Plain = Autodiff<Flex>;
+    type WithAmp = Amp<Autodiff<Flex>>;
+    let device = Default::default();
+    let _off = autocast(Precision::F32);
+
+    let mlp_plain = Mlp::<Plain>::new(256, 4, &device);
+    let mlp_amp = Mlp::<WithAmp>::new(256, 4, &device);
+    let x_plain =
+        Tensor::<Plain, 2>::random([64, 256], burn::tensor::Distribution::Default, &device);
+    let x_amp = Tensor::<WithAmp, 2>::from_data(x_plain.to_data(), &device);
+    let (mlp_a, mlp_p) = side_by_side(
+        iters,
+        || mlp_step(&mlp_amp, &x_amp),
+        || mlp_step(&mlp_plain, &x_plain),
+    );
+
+    let config = TinyLmConfig::new().with_dropout(0.0);
+    let lm_plain = config.init::<Plain>(&device);
+    let lm_amp = config.init::<WithAmp>(&device);
+    let mut task = ReversalTask::new(config.vocab, config.seq_len, 1);
+    let batch_plain = task.batch::<Plain>(32, &device);
+    let batch_amp = (
+        Tensor::<WithAmp, 2, Int>::from_data(batch_plain.0.to_data(), &device),
+        Tensor::<WithAmp, 2, Int>::from_data(batch_plain.1.to_data(), &device),
+    );
+    let (lm_a, lm_p) = side_by_side(
+        iters,
+        || lm_step(&lm_amp, &batch_amp),
+        || lm_step(&lm_plain, &batch_plain),
+    );
+    (
+        mlp_a.as_secs_f64() / mlp_p.as_secs_f64(),
+        lm_a.as_secs_f64() / lm_p.as_secs_f64(),
+        mlp_a,
+        mlp_p,
+        lm_a,
+        lm_p,
+    )
+}
+
+/// Peak bytes in use over one training step, sampled after forward and after backward.
+fn step_peak<B: AutodiffBackend + DeviceMemory>(
+    precision: Precision,
+    batch: usize,
+    width: usize,
+    depth: usize,
+) -> Option<(u64, u64)> {
+    let device = Default::default();
+    let _g = autocast(precision);
+    let model = Mlp::<B>::new(width, depth, &device);
+    let x = Tensor::<B, 2>::random([batch, width], burn::tensor::Distribution::Default, &device);
+    let mut peak = PeakMemory::default();
+    peak.sample::<B>(&device)?; // params and input: what persists
+    let loss = model.forward(x).powi_scalar(2).mean();
+    peak.sample::<B>(&device)?; // + activations saved for backward
+    let grads = loss.backward();
+    peak.sample::<B>(&device)?; // + gradients
+    drop(grads);
+    Some((peak.peak, peak.baseline.unwrap_or(0)))
+}
+
+fn main() {
+    // `cargo bench` passes `--bench`; under `cargo test --all-targets` this runs as a quick
+    // smoke test, so that the bench cannot rot.
+    let args: Vec<String> = std::env::args().collect();
+    let quick = args.iter().any(|a| a == "--quick") || !args.iter().any(|a| a == "--bench");
+    let iters = if quick { 3 } else { 40 };
+
+    let (mlp_ratio, lm_ratio, mlp_a, mlp_p, lm_a, lm_p) = overhead(iters);
+
+    if std::env::var_os("XDG_RUNTIME_DIR").is_none() {
+        // SAFETY: single-threaded at this point.
+        unsafe { std::env::set_var("XDG_RUNTIME_DIR", std::env::temp_dir()) };
+    }
+    // Activation-heavy: a large batch through narrow layers, so that saved activations, not
+    // parameters, dominate the step (as in real training).
+    let (batch, width, depth) = if quick { (256, 64, 2) } else { (8192, 256, 8) };
+    // Each measurement on a fresh thread: CubeCL counts memory per stream, per thread.
+    let f32_peak = std::thread::spawn(move || {
+        step_peak::<Autodiff<Wgpu>>(Precision::F32, batch, width, depth)
+    })
+    .join()
+    .unwrap();
+    let f16_peak = std::thread::spawn(move || {
+        step_peak::<Amp<Autodiff<Wgpu>>>(Precision::F16, batch, width, depth)
+    })
+    .join()
+    .unwrap();
+
+    println!(
+        "burn-amp autocast figures ({} iterations, medians, side by side)",
+        iters
+    );
+    println!("| measure | burn-amp | baseline | ratio | target |");
+    println!("|---|---|---|---|---|");
+    println!(
+        "| MLP fwd+bwd, Amp<Autodiff<Flex>> F32 vs Autodiff<Flex> | {:.3} ms | {:.3} ms | {:.3} | <= 1.03 |",
+        mlp_a.as_secs_f64() * 1e3,
+        mlp_p.as_secs_f64() * 1e3,
+        mlp_ratio
+    );
+    println!(
+        "| TinyLm fwd+bwd, Amp<Autodiff<Flex>> F32 vs Autodiff<Flex> | {:.3} ms | {:.3} ms | {:.3} | <= 1.03 |",
+        lm_a.as_secs_f64() * 1e3,
+        lm_p.as_secs_f64() * 1e3,
+        lm_ratio
+    );
+    let memory_ratio = match (f16_peak, f32_peak) {
+        (Some((f16, base16)), Some((f32, base32))) => {
+            let ratio = f16 as f64 / f32 as f64;
+            println!(
+                "| peak memory of a step, MLP {batch}x{width}x{depth}, Amp f16 vs f32 (Wgpu) | {:.1} MiB | {:.1} MiB | {:.3} | <= 0.6 |",
+                f16 as f64 / 1048576.0,
+                f32 as f64 / 1048576.0,
+                ratio
+            );
+            println!(
+                "|   (of which params+input before the step) | {:.1} MiB | {:.1} MiB | | |",
+                base16 as f64 / 1048576.0,
+                base32 as f64 / 1048576.0
+            );
+            Some(ratio)
+        }
+        _ => {
+            println!("| peak memory: no wgpu allocator figures on this machine | | | | |");
+            None
+        }
+    };
+    println!(
+        "{{\"bench\":\"autocast\",\"iterations\":{iters},\"overhead_mlp_ratio\":{mlp_ratio:.4},\"overhead_transformer_ratio\":{lm_ratio:.4},\"peak_memory_f16_over_f32\":{},\"peak_f16_bytes\":{},\"peak_f32_bytes\":{}}}",
+        memory_ratio.map_or("null".to_string(), |r| format!("{r:.4}")),
+        f16_peak.map_or("null".to_string(), |p| p.0.to_string()),
+        f32_peak.map_or("null".to_string(), |p| p.0.to_string()),
+    );
+}
