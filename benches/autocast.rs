@@ -93,6 +93,16 @@ fn overhead(iters: usize) -> (f64, f64, Duration, Duration, Duration, Duration) 
         || mlp_step(&mlp_amp, &x_amp),
         || mlp_step(&mlp_plain, &x_plain),
     );
+    // Control: the same model against itself, to show the method's own bias and noise.
+    let (c1, c2) = side_by_side(
+        iters,
+        || mlp_step(&mlp_plain, &x_plain),
+        || mlp_step(&mlp_plain, &x_plain),
+    );
+    eprintln!(
+        "control (Autodiff<Flex> MLP against itself): ratio {:.3}",
+        c1.as_secs_f64() / c2.as_secs_f64()
+    );
 
     let config = TinyLmConfig::new().with_dropout(0.0);
     let lm_plain = config.init::<Plain>(&device);

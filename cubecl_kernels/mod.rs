@@ -34,7 +34,7 @@ fn any_non_finite<N: Size>(x: Vector<f32, N>) -> bool {
 ///
 /// Every writer of `found_inf` stores the same value, so a plain store is race-free in
 /// effect. `found_inf` is never lowered here.
-#[cube(launch, address_type = "dynamic")]
+#[cube(launch, launch_unchecked, address_type = "dynamic")]
 pub fn unscale_and_check_kernel<F: Float, N: Size>(
     grad: &LinearView<Vector<F, N>>,
     inv_scale: &Tensor<f32>,
@@ -119,7 +119,7 @@ pub fn update_scale_kernel(
 ///
 /// When `found_inf[0]` is raised, the outputs receive the inputs unchanged (a bit copy, a
 /// no-op when the outputs alias the inputs).
-#[cube(launch, address_type = "dynamic")]
+#[cube(launch, launch_unchecked, address_type = "dynamic")]
 #[allow(clippy::too_many_arguments)]
 pub fn adamw_kernel<P: Float, G: Float, N: Size>(
     param: &LinearView<Vector<P, N>>,
@@ -192,7 +192,7 @@ fn sgd_gradient<G: Float, N: Size>(
 }
 
 /// One SGD step without momentum; `fallback::sgd_step` with `momentum == 0`.
-#[cube(launch, address_type = "dynamic")]
+#[cube(launch, launch_unchecked, address_type = "dynamic")]
 #[allow(clippy::too_many_arguments)]
 pub fn sgd_kernel<P: Float, G: Float, N: Size>(
     param: &LinearView<Vector<P, N>>,
@@ -219,7 +219,7 @@ pub fn sgd_kernel<P: Float, G: Float, N: Size>(
 }
 
 /// One SGD step with an existing f32 momentum buffer.
-#[cube(launch, address_type = "dynamic")]
+#[cube(launch, launch_unchecked, address_type = "dynamic")]
 #[allow(clippy::too_many_arguments)]
 pub fn sgd_momentum_kernel<P: Float, G: Float, N: Size>(
     param: &LinearView<Vector<P, N>>,
@@ -261,7 +261,7 @@ pub fn sgd_momentum_kernel<P: Float, G: Float, N: Size>(
 /// One SGD step creating the f32 momentum buffer (PyTorch: the first buffer is the
 /// gradient itself). A skipped step leaves the parameter and writes a zero buffer, as the
 /// fallback does.
-#[cube(launch, address_type = "dynamic")]
+#[cube(launch, launch_unchecked, address_type = "dynamic")]
 #[allow(clippy::too_many_arguments)]
 pub fn sgd_momentum_init_kernel<P: Float, G: Float, N: Size>(
     param: &LinearView<Vector<P, N>>,

@@ -37,7 +37,8 @@
 //! [`WindowedLrScheduler`] with the same `N`: it advances the wrapped schedule once per
 //! window, exactly at the boundary call, so the schedule counts optimizer steps. Otherwise
 //! a schedule passed to `Learner` must be written in micro-batches (warm-up and decay
-//! lengths × N), and it then moves in jumps of N between optimizer steps.
+//! lengths × N), and it then moves in jumps of N between optimizer steps. Leave `Learner`'s
+//! own `grads_accumulation` unset when the wrapper accumulates.
 //!
 //! # Loss scaling
 //! With an f16 [`GradScaler`], call
@@ -48,7 +49,9 @@
 //! boundary the sum is unscaled and checked once, optionally clipped, the step runs or is
 //! skipped once, and the scale is updated once. An overflow in any micro-step therefore
 //! skips the whole window exactly once. Touching the scaler mid-window (unscale, step,
-//! update, load) is reported as an [`AccumulationError`].
+//! update, load) is reported as an [`AccumulationError`]. Do not hand the wrapper to the
+//! scaler's own `step` either: that would unscale and update per micro-batch, and an
+//! overflowing micro-batch would be dropped from its window instead of skipping it.
 //!
 //! # Saving
 //! [`Optimizer::to_record`] saves the partial sums, the position in the window and the
@@ -75,6 +78,10 @@ use crate::kernels::AmpKernels;
 use crate::scaler::{FusedOptimizer, GradScaler, ScalerError, Stage, StepReport};
 
 type Inner<B> = <B as AutodiffBackend>::InnerBackend;
+
+/// What a scaled micro-step returns: the module, and at the boundary the scaler's report.
+pub type ScaledStep<M, B> =
+    Result<(M, Option<StepReport<<B as AutodiffBackend>::InnerBackend>>), AccumulationError>;
 
 /// How the micro-batch gradients of a window are combined.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
@@ -566,7 +573,7 @@ impl<O, B: AutodiffBackend> GradientAccumulation<O, B> {
         Ok(self.inner.step(lr, module, grads))
     }
 
-    fn clip(&self, list: &mut Vec<(ParamId, Buffer<Inner<B>>)>) {
+    fn clip(&self, list: &mut [(ParamId, Buffer<Inner<B>>)]) {
         let Some(max_norm) = self.max_grad_norm else {
             return;
         };
@@ -584,7 +591,7 @@ impl<O, B: AutodiffBackend> GradientAccumulation<O, B> {
         module: M,
         mut grads: GradientsParams,
         run: F,
-    ) -> Result<(M, Option<StepReport<Inner<B>>>), AccumulationError>
+    ) -> ScaledStep<M, B>
     where
         M: AutodiffModule<B>,
         B::InnerBackend: AmpKernels,
@@ -660,7 +667,7 @@ impl<O, B: AutodiffBackend> GradientAccumulation<O, B> {
         lr: LearningRate,
         module: M,
         grads: GradientsParams,
-    ) -> Result<(M, Option<StepReport<Inner<B>>>), AccumulationError>
+    ) -> ScaledStep<M, B>
     where
         M: AutodiffModule<B>,
         O: Optimizer<M, B>,
@@ -679,7 +686,7 @@ impl<O, B: AutodiffBackend> GradientAccumulation<O, B> {
         lr: LearningRate,
         module: M,
         grads: GradientsParams,
-    ) -> Result<(M, Option<StepReport<Inner<B>>>), AccumulationError>
+    ) -> ScaledStep<M, B>
     where
         M: AutodiffModule<B>,
         O: FusedOptimizer<B>,

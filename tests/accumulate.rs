@@ -2,21 +2,20 @@
 //! Burn's sum; missing and frozen parameters; the scaler skips an overflowing window once;
 //! misuse is a typed error; a run stopped mid-window resumes bit for bit.
 
-mod common;
-
 use std::collections::HashSet;
 
 use burn::backend::{Autodiff, Flex};
 use burn::lr_scheduler::LrScheduler;
 use burn::lr_scheduler::exponential::ExponentialLrSchedulerConfig;
-use burn::module::{Module, ModuleVisitor, Param, ParamId};
+use burn::module::{Module, ModuleMapper, ModuleVisitor, Param, ParamId};
 use burn::nn::loss::CrossEntropyLossConfig;
 use burn::nn::{Linear, LinearConfig};
 use burn::optim::{AdamConfig, GradientsAccumulator, GradientsParams, Optimizer, SgdConfig};
 use burn::prelude::*;
 use burn::record::{BinBytesRecorder, FullPrecisionSettings, Record, Recorder};
-use burn::tensor::FloatDType;
 use burn::tensor::backend::AutodiffBackend;
+use burn::tensor::{DType, FloatDType};
+use burn::train::{InferenceStep, Learner, TrainOutput, TrainStep};
 use burn_amp::accumulate::{
     AccumulationError, GradientAccumulation, GradientAccumulationConfig, Reduction,
     WindowedLrScheduler,
@@ -210,7 +209,7 @@ fn mean_of_micro_batches_is_one_big_batch_adam() {
 
 #[test]
 fn mean_of_micro_batches_is_one_big_batch_under_amp() {
-    common::big_stack(|| {
+    big_stack(|| {
         // f32 autocast: the same arithmetic as Flex.
         let _g = autocast(Precision::F32);
         equivalence::<A, _>(|| SgdConfig::new().init::<A, Mlp<A>>(), 0.5, 1e-6);
@@ -398,6 +397,72 @@ fn a_param_missing_a_grad_in_some_micro_steps_is_still_divided_by_n() {
     assert_ne!(bits(&model.a), bits(&before.a));
 }
 
+/// Casts every float parameter to f16, trainable.
+struct ToF16;
+
+impl<B: Backend> ModuleMapper<B> for ToF16 {
+    fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
+        let (id, tensor, mapper) = param.consume();
+        let tensor = tensor
+            .set_require_grad(false)
+            .cast(FloatDType::F16)
+            .require_grad();
+        Param::from_mapped_value(id, tensor, mapper)
+    }
+}
+
+#[test]
+fn half_precision_gradients_are_summed_in_f32() {
+    let device = Default::default();
+    F::seed(&device, 17);
+    let layer = LinearConfig::new(FEATURES, CLASSES).init::<F>(&device);
+    let record = layer.clone().into_record();
+    let layer = layer.load_record(record).map(&mut ToF16);
+    let loss = |l: &Linear<F>, i: usize| {
+        let (x, _) = micro::<F>(0, i, MICRO, &device);
+        l.forward(x.cast(FloatDType::F16)).powi_scalar(2).mean()
+    };
+    let (w, b) = (layer.weight.id, layer.bias.as_ref().unwrap().id);
+
+    let mut accum = GradientAccumulation::new(SgdConfig::new().init::<F, Linear<F>>(), N).unwrap();
+    let (mut sum_w, mut sum_b): (Option<Tensor<Flex, 2>>, Option<Tensor<Flex, 1>>) = (None, None);
+    let mut model = layer.clone();
+    for i in 0..N {
+        let grads = GradientsParams::from_grads(loss(&model, i).backward(), &model);
+        let (gw, gb) = (
+            grads.get::<Flex, 2>(w).unwrap(),
+            grads.get::<Flex, 1>(b).unwrap(),
+        );
+        assert_eq!(gw.dtype(), DType::F16);
+        // The reference, in the wrapper's order: acc + g·(1/N), in f32.
+        let add = |acc: Option<Tensor<Flex, 2>>, g: Tensor<Flex, 2>| {
+            let g = g.cast(FloatDType::F32).mul_scalar(1.0 / N as f32);
+            Some(acc.map_or(g.clone(), |a| a + g))
+        };
+        sum_w = add(sum_w, gw);
+        let g = gb.cast(FloatDType::F32).mul_scalar(1.0 / N as f32);
+        sum_b = Some(sum_b.map_or(g.clone(), |a| a + g));
+        model = accum.step(0.5, model, grads);
+        if i == 0 {
+            assert_eq!(
+                accum.buffer_bytes(),
+                4 * model.num_params(),
+                "the buffers are f32, whatever the gradients"
+            );
+        }
+    }
+    let mut reference_grads = GradientsParams::new();
+    reference_grads.register::<Flex, 2>(w, sum_w.unwrap().cast(FloatDType::F16));
+    reference_grads.register::<Flex, 1>(b, sum_b.unwrap().cast(FloatDType::F16));
+    let reference =
+        SgdConfig::new()
+            .init::<F, Linear<F>>()
+            .step(0.5, layer.clone(), reference_grads);
+    assert_eq!(model.weight.dtype(), DType::F16);
+    assert_eq!(bits(&model), bits(&reference));
+    assert_ne!(bits(&model), bits(&layer));
+}
+
 #[test]
 fn a_param_frozen_mid_window_drops_its_partial_sum() {
     let device = Default::default();
@@ -526,7 +591,7 @@ fn scaled_grads(
 
 /// Three windows of N; micro-step 2 of window 1 overflows.
 fn overflow_skips_the_window_once(fused: bool) {
-    common::big_stack(move || {
+    big_stack(move || {
         let device = Default::default();
         let _g = autocast(Precision::F16);
         A::seed(&device, 12);
@@ -590,7 +655,7 @@ fn an_overflow_in_one_micro_step_skips_the_whole_window_once_fused() {
 
 #[test]
 fn scaled_windows_unscale_before_clipping() {
-    common::big_stack(|| {
+    big_stack(|| {
         let device = Default::default();
         let _g = autocast(Precision::F16);
         A::seed(&device, 13);
@@ -619,7 +684,7 @@ fn scaled_windows_unscale_before_clipping() {
 
 #[test]
 fn touching_the_scaler_mid_window_is_a_typed_error() {
-    common::big_stack(|| {
+    big_stack(|| {
         let device = Default::default();
         let _g = autocast(Precision::F16);
         let mut model = Mlp::<A>::new(&device);
@@ -778,7 +843,7 @@ fn run_scaled(
 
 #[test]
 fn resume_after_micro_step_k_is_bit_identical_scaled() {
-    common::big_stack(|| {
+    big_stack(|| {
         let device = Default::default();
         let _g = autocast(Precision::F16);
         A::seed(&device, 15);
@@ -834,4 +899,86 @@ fn a_record_of_another_window_size_is_refused() {
             ..
         }
     ));
+}
+
+// ---------------------------------------------------------------- burn-train's Learner
+
+type Item<B> = (Tensor<B, 2>, Tensor<B, 1, Int>);
+
+impl TrainStep for Mlp<F> {
+    type Input = Item<F>;
+    type Output = ();
+
+    fn step(&self, item: Item<F>) -> TrainOutput<()> {
+        TrainOutput::new(self, self.loss(item).backward(), ())
+    }
+}
+
+impl InferenceStep for Mlp<Flex> {
+    type Input = Item<Flex>;
+    type Output = ();
+
+    fn step(&self, _item: Item<Flex>) {}
+}
+
+/// Runs `windows` windows through a `Learner` exactly as its training epoch does: per
+/// micro-batch, `lr_step`, `train_step`, `optimizer_step`.
+fn learner_run<LR: LrScheduler + 'static>(init: Mlp<F>, scheduler: LR, windows: usize) -> Mlp<F> {
+    let device = Default::default();
+    let accum = GradientAccumulation::new(SgdConfig::new().init::<F, Mlp<F>>(), N).unwrap();
+    let mut learner = Learner::new(init, accum, scheduler);
+    for step in 0..windows {
+        for i in 0..N {
+            learner.lr_step();
+            let out = learner.train_step(micro(step, i, MICRO, &device));
+            learner.optimizer_step(out.grads);
+        }
+    }
+    learner.model()
+}
+
+#[test]
+fn under_learner_the_windowed_scheduler_counts_optimizer_steps() {
+    let device = Default::default();
+    F::seed(&device, 16);
+    let init = Mlp::<F>::new(&device);
+    let schedule = || ExponentialLrSchedulerConfig::new(0.5, 0.5).init().unwrap();
+
+    // Reference: batches of N·b, the schedule stepped once per optimizer step.
+    let mut reference = init.clone();
+    let mut sgd = SgdConfig::new().init::<F, Mlp<F>>();
+    let mut scheduler = schedule();
+    for step in 0..3 {
+        let grads = GradientsParams::from_grads(
+            reference.loss(big(step, N, MICRO, &device)).backward(),
+            &reference,
+        );
+        reference = sgd.step(scheduler.step(), reference, grads);
+    }
+
+    let windowed = learner_run(
+        init.clone(),
+        WindowedLrScheduler::new(schedule(), N).unwrap(),
+        3,
+    );
+    let err = max_abs_diff(&params(&windowed), &params(&reference));
+    assert!(
+        err < 1e-6,
+        "Learner + windowed schedule vs big batches: {err}"
+    );
+
+    // The bare schedule advances per micro-batch: the boundary calls see lr × 0.5^(N-1)…
+    let bare = learner_run(init, schedule(), 3);
+    let off = max_abs_diff(&params(&bare), &params(&reference));
+    assert!(off > 1e-3, "the bare schedule should drift: {off}");
+}
+
+/// Runs `f` on a thread with a large stack: debug builds of deep burn calls need it.
+fn big_stack<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> T {
+    std::thread::Builder::new()
+        .stack_size(64 << 20)
+        .spawn(f)
+        .unwrap()
+        .join()
+        .unwrap_or_else(|e| std::panic::resume_unwind(e))
 }

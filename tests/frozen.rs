@@ -2,8 +2,6 @@
 //! gradient and no optimizer state, half-precision storage halves their bytes, and records
 //! are the inner module's.
 
-mod common;
-
 use std::collections::HashSet;
 
 use burn::backend::{Autodiff, Flex};
@@ -264,7 +262,7 @@ fn a_frozen_middle_passes_the_gradient_to_earlier_layers() {
 
 #[test]
 fn bf16_storage_is_bf16_halves_the_bytes_and_still_trains_the_rest() {
-    common::big_stack(|| {
+    big_stack(|| {
         let device = Default::default();
         A::seed(&device, 14);
         let _g = autocast(Precision::F32);
@@ -410,4 +408,14 @@ fn parent_is_an_autodiff_module<Bk: AutodiffBackend>(
     m: BackboneHead<Bk>,
 ) -> impl AutodiffModule<Bk> {
     m
+}
+
+/// Runs `f` on a thread with a large stack: debug builds of deep burn calls need it.
+fn big_stack<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> T {
+    std::thread::Builder::new()
+        .stack_size(64 << 20)
+        .spawn(f)
+        .unwrap()
+        .join()
+        .unwrap_or_else(|e| std::panic::resume_unwind(e))
 }

@@ -306,6 +306,83 @@ fn check_unscale_no_alias<B: AmpKernels>(device: &B::Device) {
     assert_eq!(values::<B>(found), vec![0.0]);
 }
 
+/// Gradients seen through `swap_dims` (strided, not contiguous): read in logical order,
+/// unvectorised, and the output keeps the logical shape.
+fn check_non_contiguous<B: AmpKernels>(device: &B::Device, dtype: FloatDType) {
+    let mut rng = Rng::new(21);
+    let (rows, cols) = (64, 33);
+    for inject in [Inject::Clean, Inject::Nan] {
+        let g = grad_values(&mut rng, rows * cols, inject);
+        let make =
+            || B::float_swap_dims(tensor::<B>(g.clone(), &[rows, cols], dtype, device), 0, 1);
+        let what = format!("strided unscale {dtype:?} {inject:?}");
+        let (outs, found) = B::unscale_and_check(
+            vec![make()],
+            scalar::<B>(0.25, device),
+            scalar::<B>(0.0, device),
+        );
+        let (refs, found_ref) = fallback::unscale_and_check::<B>(
+            vec![make()],
+            scalar::<B>(0.25, device),
+            scalar::<B>(0.0, device),
+        );
+        assert_eq!(outs[0].shape(), Shape::new([cols, rows]), "{what}");
+        assert_close(
+            &what,
+            &values::<B>(outs[0].clone()),
+            &values::<B>(refs[0].clone()),
+            EXACT,
+        );
+        assert_eq!(
+            values::<B>(found),
+            values::<B>(found_ref),
+            "{what}: found_inf"
+        );
+    }
+    // AdamW with a contiguous parameter and a strided gradient.
+    let h = AdamWHyper {
+        lr: 1e-2,
+        beta1: 0.9,
+        beta2: 0.999,
+        epsilon: 1e-8,
+        weight_decay: 0.01,
+    };
+    let p0 = rng.vec(rows * cols, 1.0);
+    let g = grad_values(&mut rng, rows * cols, Inject::Clean);
+    let run = |kernel: bool| {
+        let p = tensor::<B>(p0.clone(), &[cols, rows], dtype, device);
+        let grad = B::float_swap_dims(tensor::<B>(g.clone(), &[rows, cols], dtype, device), 0, 1);
+        let zeros = || {
+            tensor::<B>(
+                vec![0.0; rows * cols],
+                &[cols, rows],
+                FloatDType::F32,
+                device,
+            )
+        };
+        let args = (
+            p,
+            grad,
+            zeros(),
+            zeros(),
+            scalar::<B>(1.0, device),
+            scalar::<B>(1.0 / 1024.0, device),
+            scalar::<B>(0.0, device),
+        );
+        let (p, m, v) = if kernel {
+            B::adamw_step(args.0, args.1, args.2, args.3, args.4, args.5, args.6, h)
+        } else {
+            fallback::adamw_step::<B>(args.0, args.1, args.2, args.3, args.4, args.5, args.6, h)
+        };
+        (values::<B>(p), values::<B>(m), values::<B>(v))
+    };
+    let (k, r) = (run(true), run(false));
+    let what = format!("strided adamw {dtype:?}");
+    assert_close(&format!("{what} param"), &k.0, &r.0, step_tol(dtype));
+    assert_close(&format!("{what} exp_avg"), &k.1, &r.1, F32_STEP);
+    assert_close(&format!("{what} exp_avg_sq"), &k.2, &r.2, F32_STEP);
+}
+
 // ---------------------------------------------------------------------------------------
 // update_scale
 // ---------------------------------------------------------------------------------------
@@ -705,6 +782,14 @@ on_both!(unscale_list_f16, |B, d| check_unscale_list::<B>(
 on_both!(unscale_never_writes_held_clones, |B, d| {
     check_unscale_no_alias::<B>(d)
 });
+on_both!(strided_f32, |B, d| check_non_contiguous::<B>(
+    d,
+    FloatDType::F32
+));
+on_both!(strided_f16, |B, d| check_non_contiguous::<B>(
+    d,
+    FloatDType::F16
+));
 on_both!(update_scale_script, |B, d| check_update_scale::<B>(d));
 on_both!(adamw_f32, |B, d| check_adamw::<B>(d, FloatDType::F32));
 on_both!(adamw_f16, |B, d| check_adamw::<B>(d, FloatDType::F16));

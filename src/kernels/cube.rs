@@ -32,6 +32,16 @@ fn as_f32<R: CubeRuntime>(t: CubeTensor<R>) -> CubeTensor<R> {
     }
 }
 
+/// A device scalar read as `[0]` by the kernels: f32, and not empty.
+fn scalar_f32<R: CubeRuntime>(t: CubeTensor<R>, what: &str) -> CubeTensor<R> {
+    assert!(
+        t.meta.num_elements() >= 1,
+        "{what} must be an f32 [1] tensor, got shape {:?}",
+        t.meta.shape()
+    );
+    as_f32(t)
+}
+
 fn assert_f32<R: CubeRuntime>(t: &CubeTensor<R>, what: &str) {
     assert!(
         is_f32(t.dtype),
@@ -123,18 +133,22 @@ fn unscale_one<R: CubeRuntime>(
     let dtype = grad.dtype;
     let (out, out_view) = output_for(&grad, 0);
     let addr = address_type(&[&grad, &out]);
-    k::unscale_and_check_kernel::launch(
-        &client,
-        count,
-        dim,
-        addr,
-        vs,
-        grad.into_linear_view(),
-        inv_scale.clone().into_tensor_arg(),
-        found.clone().into_tensor_arg(),
-        out_view,
-        dtype.into(),
-    );
+    // SAFETY: every access is `ABSOLUTE_POS` behind the output's bounds check, on views of
+    // one shape, or `[0]` of the f32 `[1]` device scalars.
+    unsafe {
+        k::unscale_and_check_kernel::launch_unchecked(
+            &client,
+            count,
+            dim,
+            addr,
+            vs,
+            grad.into_linear_view(),
+            inv_scale.clone().into_tensor_arg(),
+            found.clone().into_tensor_arg(),
+            out_view,
+            dtype.into(),
+        )
+    };
     out
 }
 
@@ -149,9 +163,9 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> AmpKernels
         if grads.iter().all(|g| g.meta.num_elements() == 0) {
             return (grads, found_inf);
         }
-        let inv_scale = as_f32(inv_scale);
+        let inv_scale = scalar_f32(inv_scale, "inv_scale");
         // The flag is raised in place: never in a buffer someone else still reads.
-        let mut found = as_f32(found_inf);
+        let mut found = scalar_f32(found_inf, "found_inf");
         if !found.can_mut() {
             found = found.copy();
         }
@@ -179,7 +193,7 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> AmpKernels
             4,
             "the scaler state is an f32 [4] tensor"
         );
-        let found = as_f32(found_inf);
+        let found = scalar_f32(found_inf, "found_inf");
         let client = state.client.clone();
         let out = empty_device_dtype(
             client.clone(),
@@ -222,7 +236,9 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> AmpKernels
         assert_same_shape(&param, &exp_avg_sq, "exp_avg_sq");
         assert_f32(&exp_avg, "exp_avg");
         assert_f32(&exp_avg_sq, "exp_avg_sq");
-        let (step, inv_scale, found) = (as_f32(step), as_f32(inv_scale), as_f32(found_inf));
+        let step = scalar_f32(step, "step");
+        let inv_scale = scalar_f32(inv_scale, "inv_scale");
+        let found = scalar_f32(found_inf, "found_inf");
 
         let client = param.client.clone();
         let vs = vector_size(&[&param, &grad, &exp_avg, &exp_avg_sq]);
@@ -234,33 +250,36 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> AmpKernels
         let (v_out, v_view) = output_for(&exp_avg_sq, 3);
         let addr = address_type(&[&param, &grad, &exp_avg, &exp_avg_sq, &p_out, &m_out, &v_out]);
         // The scalar constants exactly as the fallback rounds them (f64 math, then f32).
-        k::adamw_kernel::launch(
-            &client,
-            count,
-            dim,
-            addr,
-            vs,
-            param.into_linear_view(),
-            grad.into_linear_view(),
-            exp_avg.into_linear_view(),
-            exp_avg_sq.into_linear_view(),
-            step.into_tensor_arg(),
-            inv_scale.into_tensor_arg(),
-            found.into_tensor_arg(),
-            p_view,
-            m_view,
-            v_view,
-            h.lr,
-            h.beta1,
-            h.beta2,
-            (1.0 - h.beta1 as f64) as f32,
-            (1.0 - h.beta2 as f64) as f32,
-            (h.beta1 as f64).ln() as f32,
-            (h.beta2 as f64).ln() as f32,
-            h.epsilon,
-            (1.0 - (h.lr * h.weight_decay) as f64) as f32,
-            dtypes,
-        );
+        // SAFETY: see `unscale_one`; every view has the parameter's shape (asserted).
+        unsafe {
+            k::adamw_kernel::launch_unchecked(
+                &client,
+                count,
+                dim,
+                addr,
+                vs,
+                param.into_linear_view(),
+                grad.into_linear_view(),
+                exp_avg.into_linear_view(),
+                exp_avg_sq.into_linear_view(),
+                step.into_tensor_arg(),
+                inv_scale.into_tensor_arg(),
+                found.into_tensor_arg(),
+                p_view,
+                m_view,
+                v_view,
+                h.lr,
+                h.beta1,
+                h.beta2,
+                (1.0 - h.beta1 as f64) as f32,
+                (1.0 - h.beta2 as f64) as f32,
+                (h.beta1 as f64).ln() as f32,
+                (h.beta2 as f64).ln() as f32,
+                h.epsilon,
+                (1.0 - (h.lr * h.weight_decay) as f64) as f32,
+                dtypes,
+            )
+        };
         (p_out, m_out, v_out)
     }
 
@@ -276,7 +295,8 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> AmpKernels
             return (param, momentum);
         }
         assert_same_shape(&param, &grad, "the gradient");
-        let (inv_scale, found) = (as_f32(inv_scale), as_f32(found_inf));
+        let inv_scale = scalar_f32(inv_scale, "inv_scale");
+        let found = scalar_f32(found_inf, "found_inf");
         let client = param.client.clone();
         let dtypes = [param.dtype.into(), grad.dtype.into()];
         let has_wd = h.weight_decay != 0.0;
@@ -288,22 +308,25 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> AmpKernels
             let (count, dim) = elemwise_dims(&client, param.meta.num_elements(), vs);
             let (p_out, p_view) = output_for(&param, 0);
             let addr = address_type(&[&param, &grad, &p_out]);
-            k::sgd_kernel::launch(
-                &client,
-                count,
-                dim,
-                addr,
-                vs,
-                param.into_linear_view(),
-                grad.into_linear_view(),
-                inv_scale.into_tensor_arg(),
-                found.into_tensor_arg(),
-                p_view,
-                h.lr,
-                h.weight_decay,
-                has_wd,
-                dtypes,
-            );
+            // SAFETY: see `unscale_one`; every view has the parameter's shape (asserted).
+            unsafe {
+                k::sgd_kernel::launch_unchecked(
+                    &client,
+                    count,
+                    dim,
+                    addr,
+                    vs,
+                    param.into_linear_view(),
+                    grad.into_linear_view(),
+                    inv_scale.into_tensor_arg(),
+                    found.into_tensor_arg(),
+                    p_view,
+                    h.lr,
+                    h.weight_decay,
+                    has_wd,
+                    dtypes,
+                )
+            };
             return (p_out, None);
         }
 
@@ -317,27 +340,30 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> AmpKernels
                 let (p_out, p_view) = output_for(&param, 0);
                 let (b_out, b_view) = output_for(&buf, 2);
                 let addr = address_type(&[&param, &grad, &buf, &p_out, &b_out]);
-                k::sgd_momentum_kernel::launch(
-                    &client,
-                    count,
-                    dim,
-                    addr,
-                    vs,
-                    param.into_linear_view(),
-                    grad.into_linear_view(),
-                    buf.into_linear_view(),
-                    inv_scale.into_tensor_arg(),
-                    found.into_tensor_arg(),
-                    p_view,
-                    b_view,
-                    h.lr,
-                    h.weight_decay,
-                    h.momentum,
-                    one_minus_dampening,
-                    has_wd,
-                    h.nesterov,
-                    dtypes,
-                );
+                // SAFETY: see `unscale_one`; every view has the parameter's shape (asserted).
+                unsafe {
+                    k::sgd_momentum_kernel::launch_unchecked(
+                        &client,
+                        count,
+                        dim,
+                        addr,
+                        vs,
+                        param.into_linear_view(),
+                        grad.into_linear_view(),
+                        buf.into_linear_view(),
+                        inv_scale.into_tensor_arg(),
+                        found.into_tensor_arg(),
+                        p_view,
+                        b_view,
+                        h.lr,
+                        h.weight_decay,
+                        h.momentum,
+                        one_minus_dampening,
+                        has_wd,
+                        h.nesterov,
+                        dtypes,
+                    )
+                };
                 (p_out, Some(b_out))
             }
             None => {
@@ -351,25 +377,28 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> AmpKernels
                     DType::F32,
                 );
                 let addr = address_type(&[&param, &grad, &p_out, &b_out]);
-                k::sgd_momentum_init_kernel::launch(
-                    &client,
-                    count,
-                    dim,
-                    addr,
-                    vs,
-                    param.into_linear_view(),
-                    grad.into_linear_view(),
-                    inv_scale.into_tensor_arg(),
-                    found.into_tensor_arg(),
-                    p_view,
-                    b_out.clone().into_linear_view(),
-                    h.lr,
-                    h.weight_decay,
-                    h.momentum,
-                    has_wd,
-                    h.nesterov,
-                    dtypes,
-                );
+                // SAFETY: see `unscale_one`; every view has the parameter's shape (asserted).
+                unsafe {
+                    k::sgd_momentum_init_kernel::launch_unchecked(
+                        &client,
+                        count,
+                        dim,
+                        addr,
+                        vs,
+                        param.into_linear_view(),
+                        grad.into_linear_view(),
+                        inv_scale.into_tensor_arg(),
+                        found.into_tensor_arg(),
+                        p_view,
+                        b_out.clone().into_linear_view(),
+                        h.lr,
+                        h.weight_decay,
+                        h.momentum,
+                        has_wd,
+                        h.nesterov,
+                        dtypes,
+                    )
+                };
                 (p_out, Some(b_out))
             }
         }

@@ -372,6 +372,16 @@ unscaled_optimizer!(FusedAdamW);
 unscaled_optimizer!(FusedSgd);
 
 impl<B: AutodiffBackend> FusedAdamW<B> {
+    /// Bytes of the optimizer state: two f32 moments per parameter that has had a step.
+    pub fn state_bytes(&self) -> u64 {
+        use burn_backend::TensorMetadata;
+        let bytes = |t: &Prim<B>| (t.shape().num_elements() * t.dtype().size()) as u64;
+        self.moments
+            .values()
+            .map(|(m, v)| bytes(m) + bytes(v))
+            .sum()
+    }
+
     fn record(&self) -> FusedRecord<B> {
         let params = self
             .moments
@@ -413,6 +423,16 @@ impl<B: AutodiffBackend> FusedAdamW<B> {
 }
 
 impl<B: AutodiffBackend> FusedSgd<B> {
+    /// Bytes of the optimizer state: one f32 momentum buffer per parameter (none without
+    /// momentum).
+    pub fn state_bytes(&self) -> u64 {
+        use burn_backend::TensorMetadata;
+        self.momentum
+            .values()
+            .map(|t| (t.shape().num_elements() * t.dtype().size()) as u64)
+            .sum()
+    }
+
     fn record(&self) -> FusedRecord<B> {
         let params = self
             .momentum

@@ -338,9 +338,14 @@ where
         Ok(())
     }
 
-    /// The current scale. Reads one value from the device.
+    /// The current scale (1 when the scaler passes through, as PyTorch's `get_scale`).
+    /// Reads one value from the device.
     pub fn scale_value(&self) -> f32 {
-        self.record().scale
+        if self.enabled {
+            self.record().scale
+        } else {
+            1.0
+        }
     }
 
     /// Whether this step's gradients overflowed (`None` before unscale/step).
