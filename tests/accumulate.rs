@@ -435,11 +435,8 @@ fn half_precision_gradients_are_summed_in_f32() {
         );
         assert_eq!(gw.dtype(), DType::F16);
         // The reference, in the wrapper's order: acc + g·(1/N), in f32.
-        let add = |acc: Option<Tensor<Flex, 2>>, g: Tensor<Flex, 2>| {
-            let g = g.cast(FloatDType::F32).mul_scalar(1.0 / N as f32);
-            Some(acc.map_or(g.clone(), |a| a + g))
-        };
-        sum_w = add(sum_w, gw);
+        let g = gw.cast(FloatDType::F32).mul_scalar(1.0 / N as f32);
+        sum_w = Some(sum_w.map_or(g.clone(), |a| a + g));
         let g = gb.cast(FloatDType::F32).mul_scalar(1.0 / N as f32);
         sum_b = Some(sum_b.map_or(g.clone(), |a| a + g));
         model = accum.step(0.5, model, grads);

@@ -40,7 +40,10 @@ impl<B: Backend> Mlp<B> {
 /// f32 weights and biases.
 const PARAM_BYTES: u64 = (DEPTH * (WIDTH * WIDTH + WIDTH) * 4) as u64;
 
-fn step_report<B: AutodiffBackend + DeviceMemory>() -> burn_amp::memory::MemoryReport {
+fn step_report<B: AutodiffBackend + DeviceMemory>() -> burn_amp::memory::MemoryReport
+where
+    B::InnerBackend: burn_amp::kernels::AmpKernels,
+{
     let device = Default::default();
     let model = Mlp::<B>::new(&device);
     let _ = parameter_bytes::<B, _>(&model); // materialise the lazy parameters first

@@ -4,7 +4,7 @@
 mod common;
 
 use burn::backend::{Autodiff, Flex};
-use burn::module::{AutodiffModule, Module, ParamId};
+use burn::module::{Module, ParamId};
 use burn::optim::{AdamConfig, GradientsParams, Optimizer};
 use burn::prelude::*;
 use burn::record::{BinBytesRecorder, FullPrecisionSettings, Recorder};
@@ -168,7 +168,7 @@ impl HostScaler {
 }
 
 /// Multiplies one parameter's gradient by NaN or inf.
-fn poison<M: AutodiffModule<B>>(grads: &mut GradientsParams, id: ParamId, value: f32) {
+fn poison(grads: &mut GradientsParams, id: ParamId, value: f32) {
     let g = grads.remove::<Inner, 2>(id).expect("a 2-d gradient");
     let bad = g
         .clone()
@@ -202,7 +202,7 @@ fn trajectory(hysteresis: u32) {
     for (i, overflow) in script.into_iter().enumerate() {
         let mut grads = grads_of(&model);
         if overflow {
-            poison::<TinyLm<B>>(
+            poison(
                 &mut grads,
                 head,
                 if i % 2 == 0 {
@@ -253,7 +253,7 @@ fn stuck_at_the_floor_is_reported() {
     let head = model.head.weight.id;
     for _ in 0..6 {
         let mut grads = grads_of(&model);
-        poison::<TinyLm<B>>(&mut grads, head, f32::INFINITY);
+        poison(&mut grads, head, f32::INFINITY);
         model = scaler.step_fused(&mut optim, 1e-3, model, grads).unwrap().0;
         scaler.update().unwrap();
     }
@@ -304,7 +304,7 @@ fn poisoned_run(fused: bool) {
             last = value;
             let mut grads = GradientsParams::from_grads(scaler.scale(loss).backward(), &model);
             if poisoned.contains(&step) {
-                poison::<TinyLm<B>>(&mut grads, model.head.weight.id, f32::NAN);
+                poison(&mut grads, model.head.weight.id, f32::NAN);
             }
             let before = poisoned.contains(&step).then(|| params_of(&model));
             let (m, report) = if fused {

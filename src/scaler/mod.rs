@@ -205,9 +205,7 @@ where
     }
 
     fn scale_tensor(&self) -> Tensor<B::InnerBackend, 1> {
-        self.state
-            .clone()
-            .slice([ScaleState::Scale as usize..ScaleState::Scale as usize + 1])
+        self.state.clone().narrow(0, ScaleState::Scale as usize, 1)
     }
 
     /// `loss × scale`, for `backward`. The scale is a device tensor: no read.

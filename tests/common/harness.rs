@@ -142,7 +142,7 @@ impl<B: Backend> Harness<B> {
         let device = &self.device;
         // Lazy backends (fusion) fail on their device thread: only a sync tells.
         let synced = |t: FloatTensor<B>| B::sync(device).map(|_| t).map_err(|e| e.to_string());
-        let reference = match catch(|| run_ref(device, ref_inputs)).and_then(|t| synced(t)) {
+        let reference = match catch(|| run_ref(device, ref_inputs)).and_then(&synced) {
             Ok(reference) => reference,
             Err(reason) => {
                 let precision = self.precision;
@@ -150,7 +150,7 @@ impl<B: Backend> Harness<B> {
                     let _g = autocast(precision);
                     run_amp(device, inputs)
                 })
-                .and_then(|t| synced(t));
+                .and_then(&synced);
                 match amp {
                     Err(amp_reason) if amp_reason == reason => {
                         self.unsupported.push(format!("{}: {reason}", op.name()))
@@ -171,7 +171,7 @@ impl<B: Backend> Harness<B> {
             let _g = autocast(self.precision);
             run_amp(device, inputs)
         })
-        .and_then(|t| synced(t))
+        .and_then(&synced)
         {
             Ok(out) => out,
             Err(reason) => {
