@@ -243,13 +243,6 @@ impl<M: ModuleDisplay> ModuleDisplay for Frozen<M> {}
 /// Bytes of the float parameters of `module` (elements × dtype size): what the weights
 /// occupy, frozen or not.
 pub fn param_bytes<B: Backend, M: Module<B>>(module: &M) -> usize {
-    struct Count(usize);
-    impl<B: Backend> ModuleVisitor<B> for Count {
-        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
-            self.0 += param.shape().num_elements() * param.dtype().size();
-        }
-    }
-    let mut count = Count(0);
-    module.visit(&mut count);
-    count.0
+    let (trainable, frozen) = crate::memory::parameter_bytes::<B, M>(module);
+    (trainable + frozen) as usize
 }
