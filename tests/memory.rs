@@ -107,3 +107,143 @@ fn activations_are_measured_on_wgpu() {
         "{text}"
     );
 }
+
+use burn_amp::memory::{FinderError, GuardError, MemoryGuard, find_micro_batch};
+
+#[test]
+fn finder_doubles_then_bisects() {
+    // A step at micro-batch b peaks at 1000 + 100 b bytes; the budget is 5000: b <= 40.
+    let mut tried = Vec::new();
+    let mut guard = MemoryGuard::new(Some(5000));
+    let plan = find_micro_batch(100, |b| {
+        tried.push(b);
+        let peak = 1000 + 100 * b as u64;
+        if peak > 5000 {
+            // What the guard reports for a step over the budget.
+            Err(GuardError::Device(format!("{peak} > 5000")))
+        } else {
+            guard.set_report(Default::default());
+            Ok(Some(peak))
+        }
+    })
+    .unwrap();
+    assert_eq!(plan.micro_batch, 40);
+    assert_eq!(plan.accumulation_steps, 3, "ceil(100 / 40)");
+    assert_eq!(plan.last_micro_batch, 20, "40 + 40 + 20 = 100");
+    assert_eq!(plan.peak_bytes, Some(5000));
+    assert_eq!(&tried[..7], &[1, 2, 4, 8, 16, 32, 64], "doubling first");
+    assert!(tried.len() <= 14, "O(log target) steps: {tried:?}");
+
+    // Everything fits: one window of the target itself.
+    let plan = find_micro_batch(30, |b| Ok(Some(b as u64))).unwrap();
+    assert_eq!(
+        (
+            plan.micro_batch,
+            plan.accumulation_steps,
+            plan.last_micro_batch
+        ),
+        (30, 1, 30)
+    );
+    assert_eq!(
+        find_micro_batch(0, |_| Ok(None)),
+        Err(FinderError::TargetTooSmall)
+    );
+    let nothing = find_micro_batch(8, |_| Err(GuardError::Device("no".into())));
+    assert!(matches!(nothing, Err(FinderError::NothingFits(_))));
+}
+
+type W = Autodiff<Wgpu>;
+
+/// One guarded training step of the MLP at `batch`; the model is cloned in, so a failure
+/// leaves the caller's model as it was.
+fn guarded_step(
+    guard: &mut MemoryGuard,
+    model: &Mlp<W>,
+    batch: usize,
+) -> Result<Option<u64>, GuardError> {
+    let device = Default::default();
+    let model = model.clone();
+    guard
+        .run::<W, _>(&device, |peak| {
+            let x = Tensor::<W, 2>::ones([batch, WIDTH], &device);
+            let loss = model.forward(x).mean();
+            peak.sample::<W>(&device);
+            let grads = loss.backward();
+            peak.sample::<W>(&device);
+            drop(grads);
+        })
+        .map(|_| guard.last_peak())
+}
+
+#[test]
+fn out_of_memory_under_a_cap_is_typed_and_training_continues_smaller() {
+    if common::wgpu_device().is_none() {
+        return;
+    }
+    std::thread::spawn(|| {
+        let device = Default::default();
+        let model = Mlp::<W>::new(&device);
+        let _ = parameter_bytes::<W, _>(&model);
+        let before: Vec<f32> = model.layers[0].weight.val().into_data().to_vec().unwrap();
+
+        // Measure the step at 512 and at 64 without a cap.
+        let mut free = MemoryGuard::new(None);
+        let big = guarded_step(&mut free, &model, 512).unwrap().unwrap();
+        let small = guarded_step(&mut free, &model, 64).unwrap().unwrap();
+        assert!(small < big);
+
+        // A cap between the two: 512 fails with a typed error, 64 still trains.
+        let cap = (small + big) / 2;
+        let mut guard = MemoryGuard::new(Some(cap));
+        guard.set_report(step_report::<W>());
+        match guarded_step(&mut guard, &model, 512) {
+            Err(GuardError::OutOfMemory(oom)) => {
+                assert_eq!(oom.needed, Some(big));
+                assert_eq!(oom.budget, Some(cap));
+                assert_eq!(oom.dominant, "activations");
+                assert!(
+                    oom.advice[0].contains("Precision::Bf16"),
+                    "{:?}",
+                    oom.advice
+                );
+                assert!(oom.to_string().contains("out of memory"));
+            }
+            other => panic!("expected OutOfMemory, got {other:?}"),
+        }
+        assert!(
+            guarded_step(&mut guard, &model, 64).is_ok(),
+            "a smaller micro-batch fits"
+        );
+        let after: Vec<f32> = model.layers[0].weight.val().into_data().to_vec().unwrap();
+        assert_eq!(before, after, "the failed step changed nothing");
+
+        // The finder picks, under several caps, the largest batch whose measured peak fits.
+        for cap in [small, (small + big) / 2, big] {
+            let mut guard = MemoryGuard::new(Some(cap));
+            let mut peaks = std::collections::BTreeMap::new();
+            let plan = find_micro_batch(512, |b| {
+                let r = guarded_step(&mut guard, &model, b);
+                peaks.insert(b, guard.last_peak());
+                r
+            })
+            .unwrap();
+            let fit = plan.peak_bytes.unwrap();
+            assert!(
+                fit <= cap,
+                "cap {cap}: chosen {} peaks at {fit}",
+                plan.micro_batch
+            );
+            if plan.micro_batch < 512 {
+                let next = peaks.get(&(plan.micro_batch + 1)).copied().flatten();
+                assert!(
+                    next.is_some_and(|p| p > cap),
+                    "cap {cap}: {} + 1 would fit too",
+                    plan.micro_batch
+                );
+            }
+            assert_eq!(plan.accumulation_steps, 512usize.div_ceil(plan.micro_batch));
+        }
+    })
+    .join()
+    .unwrap();
+}

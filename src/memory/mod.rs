@@ -326,3 +326,11 @@ impl StepMemory {
         }
     }
 }
+
+mod finder;
+mod guard;
+mod saving;
+
+pub use finder::{BatchPlan, FinderError, find_micro_batch};
+pub use guard::{GuardError, MemoryGuard, OutOfMemory};
+pub use saving::MemorySaving;
