@@ -389,7 +389,9 @@ fn main() {
         });
         return;
     }
-    let no_wgpu = args.iter().any(|a| a == "--no-wgpu");
+    // Under `cargo test --all-targets` (no `--bench` argument) this runs as a smoke test:
+    // Flex only.
+    let no_wgpu = args.iter().any(|a| a == "--no-wgpu") || !args.iter().any(|a| a == "--bench");
     let config = model_config();
     let probe_params = config.init::<Flex>(&Default::default()).num_params();
     println!(

@@ -157,7 +157,9 @@ fn count_launches(path: Path, grads: &[FloatTensor<B>], device: &WgpuDevice) -> 
 
 fn main() {
     let args: Vec<String> = std::env::args().collect();
+    // `cargo bench` passes `--bench`; under `cargo test --all-targets` this is a quick smoke run.
     let quick = args.iter().any(|a| a == "--quick")
+        || !args.iter().any(|a| a == "--bench")
         || std::env::var_os("BURN_AMP_BENCH_QUICK").is_some_and(|v| v != "0");
     let count = args.iter().any(|a| a == "--count-launches");
     if std::env::var_os("XDG_RUNTIME_DIR").is_none() {

@@ -3,23 +3,38 @@
 //! ```sh
 //! cargo run --release --example train                         # Flex (CPU), bf16
 //! cargo run --release --example train -- --precision f16 --inject-nan-at 30,31
+//! cargo run --release --example train -- --accum 4 --micro-batch 16   # effective batch 64
+//! cargo run --release --example train -- --freeze embeddings --checkpointing
+//! cargo run --release --example train -- --steps 150 --save run    # writes run.mpk
+//! cargo run --release --example train -- --steps 300 --resume run  # continues to step 300
+//! cargo run --release --example train -- --precision f32 --plot plots/f32
+//! cargo run --release --example train -- --plot plots/bf16 --compare plots/f32/history.json
 //! cargo run --release --example train -- --backend wgpu --precision f16
 //! cargo run --release --features cuda --example train -- --backend cuda
 //! ```
-//! Prints a short table, then one JSON line.
+//! A progress bar on stderr (when it is a terminal), then a short table and one JSON line on
+//! stdout.
 
-use std::time::Instant;
+use std::error::Error;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
 
+use burn::backend::autodiff::checkpoint::strategy::BalancedCheckpointing;
 use burn::backend::{Autodiff, Flex, Wgpu};
-use burn::optim::GradientsParams;
+use burn::optim::{GradientsParams, Optimizer};
 use burn::prelude::*;
+use burn::record::{FullPrecisionSettings, NamedMpkFileRecorder, Record, Recorder};
+use burn::tensor::Transaction;
 use burn::tensor::backend::AutodiffBackend;
-use burn_amp::demo::{ReversalTask, TinyLmConfig};
+use burn_amp::accumulate::GradientAccumulationRecord;
+use burn_amp::demo::{ReversalTask, TinyLm, TinyLmConfig, TinyLmRecord};
 use burn_amp::kernels::AmpKernels;
-use burn_amp::memory::{DeviceMemory, PeakMemory};
-use burn_amp::scaler::{FusedAdamWConfig, GradScalerConfig};
-use burn_amp::{Amp, Precision, autocast};
-use clap::Parser;
+use burn_amp::memory::{DeviceMemory, MemoryReport, PeakMemory, StepMemory, parameter_bytes};
+use burn_amp::scaler::fused::FusedRecord;
+use burn_amp::scaler::{FusedAdamW, FusedAdamWConfig, GradScalerConfig, GradScalerRecord};
+use burn_amp::{Amp, GradientAccumulation, Precision, autocast, freeze, host_reads};
+use clap::{Parser, ValueEnum};
+use indicatif::{ProgressBar, ProgressStyle};
 
 #[derive(Parser, Debug, Clone)]
 #[command(about = "Train a small transformer with burn-amp")]
@@ -30,19 +45,25 @@ struct Args {
     /// f32, f16 or bf16; the default is the device's best (bf16 where supported, else f16).
     #[arg(long)]
     precision: Option<Precision>,
-    /// Optimizer steps.
+    /// Optimizer steps (the total, counting those of a resumed run).
     #[arg(long, default_value_t = 300)]
     steps: usize,
-    /// Sequences per batch.
-    #[arg(long, default_value_t = 64)]
-    batch: usize,
+    /// Sequences per optimizer step: the effective batch [default: 64, or micro-batch × accum].
+    #[arg(long)]
+    batch: Option<usize>,
+    /// Micro-batches per optimizer step (gradient accumulation).
+    #[arg(long, default_value_t = 1)]
+    accum: usize,
+    /// Sequences per micro-batch [default: batch / accum].
+    #[arg(long)]
+    micro_batch: Option<usize>,
     /// Learning rate.
     #[arg(long, default_value_t = 3e-3)]
     lr: f64,
     /// Seed of the model and the data.
     #[arg(long, default_value_t = 42)]
     seed: u64,
-    /// Steps whose gradients get a NaN, to show the scaler skipping them (f16).
+    /// Steps whose gradients get a NaN, to show the scaler skipping them (needs f16).
     #[arg(long, value_delimiter = ',')]
     inject_nan_at: Vec<usize>,
     /// Model width.
@@ -51,42 +72,164 @@ struct Args {
     /// Transformer blocks.
     #[arg(long, default_value_t = 2)]
     layers: usize,
+    /// Parts to freeze: the token embedding is then stored in the training precision and
+    /// gets no gradient and no optimizer state.
+    #[arg(long, value_enum, default_value_t = FreezeArg::None)]
+    freeze: FreezeArg,
+    /// Activation checkpointing: `Autodiff<B, BalancedCheckpointing>` recomputes cheap
+    /// activations in backward instead of saving them.
+    #[arg(long)]
+    checkpointing: bool,
+    /// Continue a run saved with --save (the recorder adds the .mpk extension).
+    #[arg(long)]
+    resume: Option<PathBuf>,
+    /// Save the whole training state at the end (model, optimizer, scaler, accumulation
+    /// window, step, data position, history); the recorder adds the .mpk extension.
+    #[arg(long)]
+    save: Option<PathBuf>,
+    /// Read the loss, scale and memory back from the device every this many steps.
+    #[arg(long, default_value_t = 10)]
+    log_every: usize,
+    /// Write SVG plots (loss, loss scale, memory of one step) and history.json to this folder.
+    #[arg(long)]
+    plot: Option<PathBuf>,
+    /// A history.json of an earlier run (say at --precision f32) to overlay on the loss plot;
+    /// the JSON line this example prints works too (its final loss is drawn as a line).
+    #[arg(long, requires = "plot")]
+    compare: Option<PathBuf>,
 }
+
+#[derive(ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
+enum FreezeArg {
+    /// Train everything.
+    None,
+    /// Freeze the token embedding.
+    Embeddings,
+}
+
+type Error2 = Box<dyn Error>;
 
 fn main() {
     let args = Args::parse();
-    match args.backend.as_str() {
-        "flex" => run::<Amp<Autodiff<Flex>>>(&args, "flex"),
-        "wgpu" => run::<Amp<Autodiff<Wgpu>>>(&args, "wgpu"),
+    let ckpt = args.checkpointing;
+    let result = match args.backend.as_str() {
+        "flex" if ckpt => run::<Amp<Autodiff<Flex, BalancedCheckpointing>>, Flex>(&args, "flex"),
+        "flex" => run::<Amp<Autodiff<Flex>>, Flex>(&args, "flex"),
+        "wgpu" if ckpt => run::<Amp<Autodiff<Wgpu, BalancedCheckpointing>>, Wgpu>(&args, "wgpu"),
+        "wgpu" => run::<Amp<Autodiff<Wgpu>>, Wgpu>(&args, "wgpu"),
         #[cfg(feature = "cuda")]
-        "cuda" => run::<Amp<Autodiff<burn_cuda::Cuda>>>(&args, "cuda"),
+        "cuda" if ckpt => {
+            use burn_cuda::Cuda;
+            run::<Amp<Autodiff<Cuda, BalancedCheckpointing>>, Cuda>(&args, "cuda")
+        }
+        #[cfg(feature = "cuda")]
+        "cuda" => run::<Amp<Autodiff<burn_cuda::Cuda>>, burn_cuda::Cuda>(&args, "cuda"),
         #[cfg(not(feature = "cuda"))]
-        "cuda" => {
-            eprintln!("error: --backend cuda needs `--features cuda`");
-            std::process::exit(2);
-        }
-        other => {
-            eprintln!("error: unknown backend `{other}`: expected flex, wgpu or cuda");
-            std::process::exit(2);
-        }
+        "cuda" => Err("--backend cuda needs `--features cuda`".into()),
+        other => Err(format!("unknown backend `{other}`: expected flex, wgpu or cuda").into()),
+    };
+    if let Err(e) = result {
+        eprintln!("error: {e}");
+        std::process::exit(2);
     }
 }
 
-fn run<B>(args: &Args, backend: &str)
+/// The micro-batch and the accumulation from `--batch`, `--accum` and `--micro-batch`.
+fn batch_plan(args: &Args) -> Result<(usize, usize), Error2> {
+    let accum = args.accum;
+    if accum == 0 {
+        return Err("--accum must be at least 1".into());
+    }
+    let micro = match (args.batch, args.micro_batch) {
+        (Some(batch), Some(micro)) if batch != micro * accum => {
+            return Err(format!(
+                "--batch {batch} is not --micro-batch {micro} × --accum {accum}: give two of them"
+            )
+            .into());
+        }
+        (_, Some(micro)) => micro,
+        (batch, None) => {
+            let batch = batch.unwrap_or(64);
+            if batch % accum != 0 {
+                return Err(format!(
+                    "--batch {batch} does not split into --accum {accum} micro-batches: \
+                     give --micro-batch"
+                )
+                .into());
+            }
+            batch / accum
+        }
+    };
+    if micro == 0 {
+        return Err("the micro-batch must hold at least one sequence".into());
+    }
+    Ok((micro, accum))
+}
+
+/// Gradient accumulation around the fused AdamW (a one-step window at `--accum 1`).
+type Optim<B> = GradientAccumulation<FusedAdamW<B>, B>;
+
+/// Everything a run needs to continue where it stopped, as one Burn record.
+#[derive(Record)]
+struct TrainState<B: Backend> {
+    model: TinyLmRecord<B>,
+    /// The accumulation window (partial sums, position) and the AdamW moments inside it.
+    optim: GradientAccumulationRecord<B, FusedRecord<B>>,
+    scaler: GradScalerRecord,
+    /// Optimizer steps done.
+    step: usize,
+    /// Sequences drawn from the data generator: its position.
+    samples_drawn: u64,
+    micro_batch: usize,
+    precision: String,
+    history: HistoryRecord,
+}
+
+/// What the plots and the final figures are made of.
+#[derive(Record, Default, Clone)]
+struct HistoryRecord {
+    /// Loss per optimizer step (mean over its micro-batches).
+    losses: Vec<f32>,
+    /// Steps skipped for inf/NaN gradients.
+    skipped: Vec<usize>,
+    /// Loss scale read at these steps.
+    scale_steps: Vec<usize>,
+    scale_values: Vec<f32>,
+}
+
+type FileRecorder = NamedMpkFileRecorder<FullPrecisionSettings>;
+
+fn mib(bytes: u64) -> f64 {
+    bytes as f64 / 1048576.0
+}
+
+fn run<B, Mem>(args: &Args, backend: &str) -> Result<(), Error2>
 where
-    B: AutodiffBackend + DeviceMemory,
+    B: AutodiffBackend,
     B::InnerBackend: AmpKernels,
+    // The memory figures are read through the backend under autodiff (same device type):
+    // burn-amp implements `DeviceMemory` for `Autodiff<B>` without checkpointing only.
+    Mem: DeviceMemory<Device = B::Device>,
 {
     let device = B::Device::default();
     let precision = args
         .precision
         .unwrap_or_else(|| Precision::default_for::<B>(&device));
     if !precision.is_supported::<B>(&device) {
-        eprintln!(
-            "error: {precision} is not supported on {backend} ({device:?}); try --precision f16"
-        );
-        std::process::exit(2);
+        return Err(format!(
+            "{precision} is not supported on {backend} ({device:?}); try --precision f16"
+        )
+        .into());
     }
+    if !args.inject_nan_at.is_empty() && !precision.needs_loss_scaling() {
+        return Err(format!(
+            "--inject-nan-at shows the loss scaler skipping steps, and the scaler only runs at \
+             f16 (at {precision} a NaN would reach the weights): add --precision f16"
+        )
+        .into());
+    }
+    let (micro_batch, accum) = batch_plan(args)?;
+    let log_every = args.log_every.max(1);
     let _amp = autocast(precision);
     B::seed(&device, args.seed);
     let config = TinyLmConfig::new()
@@ -94,70 +237,574 @@ where
         .with_d_ff(args.d_model * 2)
         .with_n_layers(args.layers)
         .with_dropout(0.0);
-    let mut model = config.init::<B>(&device);
+    let mut model: TinyLm<B> = config.init::<B>(&device);
     let mut task = ReversalTask::new(config.vocab, config.seq_len, args.seed);
     let mut scaler = GradScalerConfig::new()
         .with_growth_interval(200)
-        .init::<B>(&device, precision)
-        .expect("valid scaler config");
-    let mut optim = FusedAdamWConfig::new().with_weight_decay(0.0).init::<B>();
-    let mut peak = PeakMemory::default();
+        .init::<B>(&device, precision)?;
+    let mut optim: Optim<B> =
+        GradientAccumulation::new(FusedAdamWConfig::new().with_weight_decay(0.0).init(), accum)?;
+    let mut history = HistoryRecord::default();
+    let mut start_step = 0;
+    let mut samples_drawn = 0u64;
 
-    let start = Instant::now();
-    let mut losses = Vec::with_capacity(args.steps);
-    let mut skipped = 0;
-    for step in 0..args.steps {
-        let (x, y) = task.batch::<B>(args.batch, &device);
-        let loss = model.loss(x, y);
-        let mut grads = GradientsParams::from_grads(scaler.scale(loss.clone()).backward(), &model);
-        peak.sample::<B>(&device);
-        if args.inject_nan_at.contains(&step) {
-            let id = model.head.weight.id;
-            if let Some(g) = grads.remove::<B::InnerBackend, 2>(id) {
-                grads.register::<B::InnerBackend, 2>(id, g.mul_scalar(f32::NAN));
-            }
-        }
-        let (m, report) = scaler
-            .step_fused(&mut optim, args.lr, model, grads)
-            .expect("scaler used in order");
-        model = m;
-        scaler.update().expect("scaler used in order");
-        // Reading the loss and the skip flag costs two host reads; a real loop would read
-        // them every few steps only.
-        losses.push(loss.into_scalar().elem::<f32>());
-        if report.skipped() {
-            skipped += 1;
-        }
-        if step % 50 == 0 || step + 1 == args.steps {
+    if let Some(path) = &args.resume {
+        let state: TrainState<B> = FileRecorder::new()
+            .load(path.clone(), &device)
+            .map_err(|e| format!("cannot load {}: {e}", path.display()))?;
+        if state.micro_batch != micro_batch || state.precision != precision.to_string() {
             eprintln!(
-                "step {step:>5}  loss {:.4}  scale {}  skipped {skipped}",
-                losses[step],
-                scaler.scale_value()
+                "warning: the run was saved with micro-batch {} at {}, resumed with {micro_batch} \
+                 at {precision}",
+                state.micro_batch, state.precision
             );
         }
+        model = model.load_record(state.model);
+        optim = optim.try_load_record::<TinyLm<B>>(state.optim)?;
+        scaler = scaler.load_record(state.scaler);
+        start_step = state.step;
+        samples_drawn = state.samples_drawn;
+        history = state.history;
+        // The generator draws one number per token: one batch of every sequence drawn so far
+        // (on the CPU) moves it to where the saved run stopped.
+        if samples_drawn > 0 {
+            let _ = task.batch::<Flex>(samples_drawn as usize, &Default::default());
+        }
+        eprintln!("resumed {} at step {start_step}", path.display());
     }
+    if start_step >= args.steps {
+        return Err(format!(
+            "nothing to do: the run is at step {start_step}, --steps is {}",
+            args.steps
+        )
+        .into());
+    }
+    if args.freeze == FreezeArg::Embeddings {
+        // `TinyLm::tokens` is an `Embedding<B>`, so the module is frozen through `Frozen`
+        // and unwrapped again: a leaf that requires no gradient, in the training precision
+        // (Burn's `load_record` and the optimizers keep it frozen). After the resume, so
+        // that loading a checkpoint does not bring back f32 weights.
+        let storage = if precision.is_low() {
+            precision
+        } else {
+            Precision::F32
+        };
+        model.tokens = freeze::<B, _>(model.tokens)
+            .with_storage::<B>(storage)
+            .into_inner();
+    }
+
+    let bar = ProgressBar::new(args.steps as u64);
+    bar.set_style(
+        ProgressStyle::with_template("{elapsed_precise} {bar:30} {pos}/{len} steps  {msg}")
+            .expect("valid template"),
+    );
+    bar.set_position(start_step as u64);
+    bar.enable_steady_tick(Duration::from_millis(200));
+
+    // The memory of one step by category, for the bar chart: measured on the second step,
+    // when the optimizer state exists.
+    let measure_at = (start_step + 1).min(args.steps - 1);
+    let mut step_report: Option<(MemoryReport, u64)> = None;
+    let mut peak = PeakMemory::default();
+    // Losses and overflow flags stay on the device until the next read.
+    let mut pending_losses: Vec<Tensor<B::InnerBackend, 1>> = Vec::new();
+    let mut pending_infs: Vec<(usize, Tensor<B::InnerBackend, 1>)> = Vec::new();
+    let mut last_printed = start_step;
+    let reads_before = host_reads();
+    let start = Instant::now();
+
+    for step in start_step..args.steps {
+        // Reading a value back stalls the device until all queued work is done, so the loss,
+        // the skip flags, the scale and the memory are read only every `log_every` steps
+        // (one transaction for all the losses and flags since the last read, one read of the
+        // scaler's state). Between reads, nothing here waits for the device.
+        let read_now = (step + 1 - start_step) % log_every == 0 || step + 1 == args.steps;
+        let mut window_loss: Option<Tensor<B::InnerBackend, 1>> = None;
+        for micro in 0..accum {
+            let mut measure =
+                (args.plot.is_some() && step == measure_at && micro == 0).then(|| {
+                    // Memory before the step: parameters, optimizer state, partial sums.
+                    StepMemory::begin::<Mem>(&device)
+                });
+            let sample_peak = read_now && micro + 1 == accum;
+            let (x, y) = task.batch::<B>(micro_batch, &device);
+            samples_drawn += micro_batch as u64;
+            let loss = model.loss(x, y);
+            if let Some(m) = measure.as_mut() {
+                m.after_forward::<Mem>(&device);
+            }
+            if sample_peak {
+                // After forward: the saved activations are live.
+                peak.sample::<Mem>(&device);
+            }
+            let mut grads =
+                GradientsParams::from_grads(scaler.scale(loss.clone()).backward(), &model);
+            if sample_peak {
+                peak.sample::<Mem>(&device);
+            }
+            if let Some(m) = measure.as_mut() {
+                m.after::<Mem>(&device);
+                let report =
+                    m.report::<B, TinyLm<B>>(&model, Some(&grads), optim.inner().state_bytes());
+                step_report = Some((report, optim.buffer_bytes() as u64));
+            }
+            if micro == 0 && args.inject_nan_at.contains(&step) {
+                let id = model.head.weight.id;
+                if let Some(g) = grads.remove::<B::InnerBackend, 2>(id) {
+                    grads.register::<B::InnerBackend, 2>(id, g.mul_scalar(f32::NAN));
+                }
+            }
+            let loss = loss.inner();
+            window_loss = Some(match window_loss {
+                Some(sum) => sum + loss,
+                None => loss,
+            });
+            // Mid-window this adds the still-scaled gradients to f32 sums; at the boundary it
+            // unscales, checks, steps (or skips the whole window) and updates the scale,
+            // all on the device.
+            let (m, report) = optim.step_scaled_fused(&mut scaler, args.lr, model, grads)?;
+            model = m;
+            if let Some(found_inf) = report.and_then(|r| r.found_inf()) {
+                pending_infs.push((step, found_inf));
+            }
+        }
+        let window_loss = window_loss.expect("accum >= 1");
+        pending_losses.push(if accum == 1 {
+            window_loss
+        } else {
+            window_loss.div_scalar(accum as f32)
+        });
+        bar.inc(1);
+
+        if read_now {
+            let (losses, skipped) = read_pending(&mut pending_losses, &mut pending_infs);
+            history.losses.extend(losses);
+            history.skipped.extend(skipped);
+            let scale = if scaler.is_enabled() {
+                let record = scaler.record();
+                if record.floor_overflows >= scaler.config().max_floor_overflows as f32 {
+                    scaler.check()?;
+                }
+                record.scale
+            } else {
+                1.0
+            };
+            history.scale_steps.push(step);
+            history.scale_values.push(scale);
+            let memory = match Mem::memory_snapshot(&device) {
+                Some(s) => format!("mem {:.1} MiB in use", mib(s.bytes_in_use)),
+                None => {
+                    // No allocator figures (Flex): what the training state holds, exactly.
+                    let (trainable, frozen) = parameter_bytes::<B, TinyLm<B>>(&model);
+                    let state = trainable
+                        + frozen
+                        + optim.inner().state_bytes()
+                        + optim.buffer_bytes() as u64;
+                    format!("state {:.2} MiB", mib(state))
+                }
+            };
+            let loss = history.losses.last().copied().unwrap_or(f32::NAN);
+            let message = format!(
+                "loss {loss:.4}  scale {scale}  skipped {}  {memory}",
+                history.skipped.len()
+            );
+            if bar.is_hidden() {
+                // Not a terminal: a plain line now and then instead of the bar.
+                if step + 1 - last_printed >= 50 || step + 1 == args.steps {
+                    eprintln!("step {:>5}  {message}", step + 1);
+                    last_printed = step + 1;
+                }
+            } else {
+                bar.set_message(message);
+            }
+        }
+    }
+    bar.finish();
     let wall = start.elapsed().as_secs_f64();
-    let tail = &losses[losses.len().saturating_sub(20)..];
+    let reads = host_reads() - reads_before;
+
+    let tail = &history.losses[history.losses.len().saturating_sub(20)..];
     let final_loss = tail.iter().sum::<f32>() / tail.len().max(1) as f32;
-    let tokens = (args.steps * args.batch * config.seq_len) as f64;
+    let final_scale = history.scale_values.last().copied().unwrap_or(1.0);
+    let skipped = history.skipped.len();
+    let batch = micro_batch * accum;
+    let tokens = ((args.steps - start_step) * batch * config.seq_len) as f64;
     let peak_bytes = (peak.peak > 0).then_some(peak.peak);
 
+    if let Some(path) = &args.save {
+        let state = TrainState {
+            model: model.clone().into_record(),
+            optim: Optimizer::<TinyLm<B>, B>::to_record(&optim),
+            scaler: scaler.record(),
+            step: args.steps,
+            samples_drawn,
+            micro_batch,
+            precision: precision.to_string(),
+            history: history.clone(),
+        };
+        FileRecorder::new()
+            .record(state, path.clone())
+            .map_err(|e| format!("cannot save {}: {e}", path.display()))?;
+        eprintln!("saved the training state to {}.mpk", path.display());
+    }
+
+    let freeze = match args.freeze {
+        FreezeArg::None => "none",
+        FreezeArg::Embeddings => "embeddings",
+    };
     println!(
-        "| backend | precision | steps | final loss | skipped | scale | peak MiB | tokens/s |"
+        "| backend | precision | steps | batch (micro × accum) | final loss | skipped | scale | peak MiB | tokens/s |"
     );
-    println!("|---|---|---|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|---|---|---|");
     println!(
-        "| {backend} | {precision} | {} | {final_loss:.4} | {skipped} | {} | {} | {:.0} |",
+        "| {backend} | {precision} | {} | {batch} ({micro_batch} × {accum}) | {final_loss:.4} | {skipped} | {final_scale} | {} | {:.0} |",
         args.steps,
-        scaler.scale_value(),
-        peak_bytes.map_or("n/a".into(), |p| format!("{:.1}", p as f64 / 1048576.0)),
+        peak_bytes.map_or("n/a".into(), |p| format!("{:.1}", mib(p))),
         tokens / wall
     );
     println!(
-        "{{\"precision\":\"{precision}\",\"backend\":\"{backend}\",\"steps\":{},\"final_loss\":{final_loss},\"skipped_steps\":{skipped},\"final_scale\":{},\"peak_bytes\":{},\"tokens_per_s\":{:.1},\"wall_s\":{wall:.3}}}",
+        "{{\"precision\":\"{precision}\",\"backend\":\"{backend}\",\"steps\":{},\"final_loss\":{final_loss},\"skipped_steps\":{skipped},\"final_scale\":{final_scale},\"peak_bytes\":{},\"tokens_per_s\":{:.1},\"wall_s\":{wall:.3},\"batch\":{batch},\"micro_batch\":{micro_batch},\"accum\":{accum},\"freeze\":\"{freeze}\",\"checkpointing\":{},\"resumed_at\":{start_step},\"host_reads\":{reads}}}",
         args.steps,
-        scaler.scale_value(),
         peak_bytes.map_or("null".into(), |p| p.to_string()),
-        tokens / wall
+        tokens / wall,
+        args.checkpointing,
     );
+
+    if let Some(dir) = &args.plot {
+        std::fs::create_dir_all(dir)?;
+        let label = format!("{precision} ({backend})");
+        let history_json = format!(
+            "{{\"precision\":\"{precision}\",\"backend\":\"{backend}\",\"final_loss\":{final_loss},\"losses\":{},\"skipped\":{},\"scale_steps\":{},\"scale_values\":{}}}\n",
+            json_array(&history.losses),
+            json_array(&history.skipped),
+            json_array(&history.scale_steps),
+            json_array(&history.scale_values),
+        );
+        std::fs::write(dir.join("history.json"), history_json)?;
+        let compare = args.compare.as_deref().map(Compared::read).transpose()?;
+        plots::loss(
+            &dir.join("loss.svg"),
+            &label,
+            &history.losses,
+            compare.as_ref(),
+        )?;
+        plots::scale(&dir.join("scale.svg"), &history, scaler.is_enabled())?;
+        if let Some((report, accum_bytes)) = step_report {
+            eprint!("{report}");
+            plots::memory(&dir.join("memory.svg"), &report, accum_bytes)?;
+        }
+        eprintln!("plots in {}", dir.display());
+    }
+    Ok(())
+}
+
+/// Reads the pending losses and overflow flags in one transaction: the losses in order, and
+/// the steps whose window was skipped.
+fn read_pending<B: Backend>(
+    losses: &mut Vec<Tensor<B, 1>>,
+    infs: &mut Vec<(usize, Tensor<B, 1>)>,
+) -> (Vec<f32>, Vec<usize>) {
+    if losses.is_empty() && infs.is_empty() {
+        return (Vec::new(), Vec::new());
+    }
+    let mut transaction = Transaction::default();
+    if !losses.is_empty() {
+        transaction = transaction.register(Tensor::cat(std::mem::take(losses), 0));
+    }
+    let steps: Vec<usize> = infs.iter().map(|(s, _)| *s).collect();
+    if !infs.is_empty() {
+        let flags = std::mem::take(infs).into_iter().map(|(_, f)| f).collect();
+        transaction = transaction.register(Tensor::cat(flags, 0));
+    }
+    let mut data = transaction.execute().into_iter();
+    let losses = data
+        .next()
+        .map(|d| d.iter::<f32>().collect())
+        .unwrap_or_default();
+    let skipped = match data.next() {
+        Some(d) => steps
+            .into_iter()
+            .zip(d.iter::<f32>())
+            .filter(|(_, f)| *f != 0.0)
+            .map(|(s, _)| s)
+            .collect(),
+        None => Vec::new(),
+    };
+    (losses, skipped)
+}
+
+fn json_array<T: std::fmt::Display>(values: &[T]) -> String {
+    let items: Vec<String> = values
+        .iter()
+        .map(|v| {
+            let s = v.to_string();
+            // JSON has no NaN or inf.
+            if s.parse::<f64>().is_ok_and(f64::is_finite) {
+                s
+            } else {
+                "null".into()
+            }
+        })
+        .collect();
+    format!("[{}]", items.join(","))
+}
+
+/// An earlier run to draw beside this one: its loss curve (a history.json) or only its final
+/// loss (the JSON line).
+struct Compared {
+    label: String,
+    losses: Option<Vec<f32>>,
+    final_loss: Option<f32>,
+}
+
+impl Compared {
+    fn read(path: &Path) -> Result<Self, Error2> {
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| format!("cannot read --compare {}: {e}", path.display()))?;
+        let precision = json_value(&text, "precision")
+            .map(|v| v.trim_matches('"').to_string())
+            .unwrap_or_else(|| "earlier run".into());
+        let losses = json_value(&text, "losses").map(|v| {
+            v.trim_start_matches('[')
+                .split(',')
+                .map(|x| x.trim().trim_end_matches(']').parse().unwrap_or(f32::NAN))
+                .collect()
+        });
+        let final_loss = json_value(&text, "final_loss").and_then(|v| v.parse().ok());
+        if losses.is_none() && final_loss.is_none() {
+            return Err(format!(
+                "--compare {}: no \"losses\" nor \"final_loss\" in it",
+                path.display()
+            )
+            .into());
+        }
+        Ok(Self {
+            label: format!("{precision} ({})", path.display()),
+            losses,
+            final_loss,
+        })
+    }
+}
+
+/// The text of `"key": value` in flat JSON (this example's own output): a number, a string
+/// or an array of numbers.
+fn json_value<'a>(text: &'a str, key: &str) -> Option<&'a str> {
+    let at = text.find(&format!("\"{key}\""))? + key.len() + 2;
+    let rest = text[at..].trim_start().strip_prefix(':')?.trim_start();
+    let end = if rest.starts_with('[') {
+        rest.find(']')? + 1
+    } else if let Some(s) = rest.strip_prefix('"') {
+        s.find('"')? + 2
+    } else {
+        rest.find([',', '}', '\n']).unwrap_or(rest.len())
+    };
+    Some(rest[..end].trim())
+}
+
+mod plots {
+    use super::{Compared, Error2, HistoryRecord, mib};
+    use burn_amp::memory::{MemoryReport, MemorySource};
+    use plotters::prelude::*;
+    use std::path::Path;
+
+    const SIZE: (u32, u32) = (900, 500);
+
+    fn positive_range(values: impl Iterator<Item = f64>) -> (f64, f64) {
+        let (lo, hi) = values
+            .filter(|v| v.is_finite() && *v > 0.0)
+            .fold((f64::MAX, f64::MIN), |(lo, hi), v| (lo.min(v), hi.max(v)));
+        if lo > hi {
+            (0.1, 10.0)
+        } else {
+            (lo * 0.8, hi * 1.25)
+        }
+    }
+
+    /// Loss against optimizer step, log scale; an earlier run overlaid.
+    pub fn loss(
+        path: &Path,
+        label: &str,
+        losses: &[f32],
+        compare: Option<&Compared>,
+    ) -> Result<(), Error2> {
+        let root = SVGBackend::new(path, SIZE).into_drawing_area();
+        root.fill(&WHITE)?;
+        let other = compare.and_then(|c| c.losses.as_deref()).unwrap_or(&[]);
+        let steps = losses.len().max(other.len()).max(2) as f64;
+        let all = losses.iter().chain(other).map(|&l| l as f64);
+        let all = all.chain(compare.and_then(|c| c.final_loss).map(f64::from));
+        let (lo, hi) = positive_range(all);
+        let mut chart = ChartBuilder::on(&root)
+            .caption(
+                "training loss (TinyLm, sequence reversal)",
+                ("sans-serif", 22),
+            )
+            .margin(15)
+            .x_label_area_size(40)
+            .y_label_area_size(60)
+            .build_cartesian_2d(0f64..steps, (lo..hi).log_scale())?;
+        chart
+            .configure_mesh()
+            .x_desc("optimizer step")
+            .y_desc("cross-entropy")
+            .draw()?;
+        let points = |ls: &[f32]| -> Vec<(f64, f64)> {
+            ls.iter()
+                .enumerate()
+                .filter(|(_, l)| l.is_finite() && **l > 0.0)
+                .map(|(i, &l)| ((i + 1) as f64, l as f64))
+                .collect()
+        };
+        chart
+            .draw_series(LineSeries::new(points(losses), BLUE.stroke_width(2)))?
+            .label(format!("{label}, this run"))
+            .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], BLUE.stroke_width(2)));
+        if let Some(c) = compare {
+            if c.losses.is_some() {
+                chart
+                    .draw_series(LineSeries::new(points(other), RED))?
+                    .label(c.label.clone())
+                    .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], RED));
+            } else if let Some(f) = c.final_loss {
+                let f = f as f64;
+                chart
+                    .draw_series(DashedLineSeries::new(
+                        [(0.0, f), (steps, f)],
+                        6,
+                        4,
+                        RED.into(),
+                    ))?
+                    .label(format!("{}: final loss", c.label))
+                    .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], RED));
+            }
+        }
+        chart
+            .configure_series_labels()
+            .position(SeriesLabelPosition::UpperRight)
+            .background_style(WHITE.mix(0.85))
+            .border_style(BLACK)
+            .draw()?;
+        root.present()?;
+        Ok(())
+    }
+
+    /// The loss scale as read every `--log-every` steps, skipped steps marked.
+    pub fn scale(path: &Path, history: &HistoryRecord, enabled: bool) -> Result<(), Error2> {
+        let root = SVGBackend::new(path, SIZE).into_drawing_area();
+        root.fill(&WHITE)?;
+        let steps = history.losses.len().max(2) as f64;
+        let (lo, hi) = positive_range(history.scale_values.iter().map(|&s| s as f64));
+        let caption = if enabled {
+            "loss scale (read every --log-every steps); x: skipped steps".to_string()
+        } else {
+            "loss scale: 1, the scaler is off (it runs at f16 only)".to_string()
+        };
+        let mut chart = ChartBuilder::on(&root)
+            .caption(caption, ("sans-serif", 22))
+            .margin(15)
+            .x_label_area_size(40)
+            .y_label_area_size(70)
+            .build_cartesian_2d(0f64..steps, (lo..hi).log_scale())?;
+        chart
+            .configure_mesh()
+            .x_desc("optimizer step")
+            .y_desc("scale")
+            .draw()?;
+        let samples: Vec<(f64, f64)> = history
+            .scale_steps
+            .iter()
+            .zip(&history.scale_values)
+            .map(|(&s, &v)| ((s + 1) as f64, v as f64))
+            .collect();
+        chart
+            .draw_series(LineSeries::new(samples.clone(), BLUE.stroke_width(2)))?
+            .label("scale")
+            .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], BLUE.stroke_width(2)));
+        // A skipped step is marked at the scale read next (after its backoff).
+        let at = |step: usize| {
+            samples
+                .iter()
+                .find(|(s, _)| *s >= (step + 1) as f64)
+                .or(samples.last())
+                .map_or(1.0, |p| p.1)
+        };
+        chart
+            .draw_series(
+                history
+                    .skipped
+                    .iter()
+                    .map(|&s| Cross::new(((s + 1) as f64, at(s)), 6, RED.stroke_width(2))),
+            )?
+            .label(format!("skipped ({})", history.skipped.len()))
+            .legend(|(x, y)| Cross::new((x + 10, y), 5, RED.stroke_width(2)));
+        chart
+            .configure_series_labels()
+            .position(SeriesLabelPosition::LowerRight)
+            .background_style(WHITE.mix(0.85))
+            .border_style(BLACK)
+            .draw()?;
+        root.present()?;
+        Ok(())
+    }
+
+    /// Memory of one training step by category, from `StepMemory`.
+    pub fn memory(path: &Path, report: &MemoryReport, accum_bytes: u64) -> Result<(), Error2> {
+        let bars = [
+            ("parameters", report.parameters),
+            ("frozen params", report.frozen_parameters),
+            ("gradients", report.gradients),
+            ("optimizer state", report.optimizer_state),
+            ("accum. sums", accum_bytes),
+            ("activations", report.activations),
+            ("reserve + frag.", report.reserve_and_fragmentation),
+        ];
+        let source = match report.source {
+            Some(MemorySource::Allocator) => "allocator",
+            Some(MemorySource::Estimate) => "estimate",
+            None => "tensor sizes; no allocator: activations not measured",
+        };
+        let top = bars.iter().map(|b| mib(b.1)).fold(0.0, f64::max).max(1e-3) * 1.2;
+        let root = SVGBackend::new(path, SIZE).into_drawing_area();
+        root.fill(&WHITE)?;
+        let mut chart = ChartBuilder::on(&root)
+            .caption(
+                format!("memory of one training step ({source})"),
+                ("sans-serif", 20),
+            )
+            .margin(15)
+            .x_label_area_size(40)
+            .y_label_area_size(70)
+            .build_cartesian_2d((0..bars.len()).into_segmented(), 0f64..top)?;
+        chart
+            .configure_mesh()
+            .disable_x_mesh()
+            .x_labels(bars.len())
+            .x_label_formatter(&|v| match v {
+                SegmentValue::CenterOf(i) => bars.get(*i).map_or("", |b| b.0).to_string(),
+                _ => String::new(),
+            })
+            .y_desc("MiB")
+            .draw()?;
+        chart.draw_series(bars.iter().enumerate().map(|(i, (_, bytes))| {
+            let mut bar = Rectangle::new(
+                [
+                    (SegmentValue::Exact(i), 0.0),
+                    (SegmentValue::Exact(i + 1), mib(*bytes)),
+                ],
+                BLUE.mix(0.6).filled(),
+            );
+            bar.set_margin(0, 0, 12, 12);
+            bar
+        }))?;
+        chart.draw_series(bars.iter().enumerate().map(|(i, (_, bytes))| {
+            Text::new(
+                format!("{:.3}", mib(*bytes)),
+                (SegmentValue::CenterOf(i), mib(*bytes) + top * 0.02),
+                ("sans-serif", 14),
+            )
+        }))?;
+        root.present()?;
+        Ok(())
+    }
 }
