@@ -192,8 +192,9 @@ struct HistoryRecord {
     losses: Vec<f32>,
     /// Steps skipped for inf/NaN gradients.
     skipped: Vec<usize>,
-    /// Loss scale read at these steps.
+    /// The loss scale was read after this many optimizer steps...
     scale_steps: Vec<usize>,
+    /// ...and was this.
     scale_values: Vec<f32>,
 }
 
@@ -311,6 +312,11 @@ where
     let mut pending_losses: Vec<Tensor<B::InnerBackend, 1>> = Vec::new();
     let mut pending_infs: Vec<(usize, Tensor<B::InnerBackend, 1>)> = Vec::new();
     let mut last_printed = start_step;
+    if history.scale_steps.is_empty() {
+        // The starting scale, so that the plot begins at step 0 (one read, before timing).
+        history.scale_steps.push(0);
+        history.scale_values.push(scaler.scale_value());
+    }
     let reads_before = host_reads();
     let start = Instant::now();
 
@@ -347,7 +353,7 @@ where
                 m.after::<Mem>(&device);
                 let report =
                     m.report::<B, TinyLm<B>>(&model, Some(&grads), optim.inner().state_bytes());
-                step_report = Some((report, optim.buffer_bytes() as u64));
+                step_report = Some((report, 0));
             }
             if micro == 0 && args.inject_nan_at.contains(&step) {
                 let id = model.head.weight.id;
@@ -363,6 +369,12 @@ where
             // Mid-window this adds the still-scaled gradients to f32 sums; at the boundary it
             // unscales, checks, steps (or skips the whole window) and updates the scale,
             // all on the device.
+            if step == measure_at
+                && let Some((_, sums)) = step_report.as_mut()
+            {
+                // The partial sums are largest just before the boundary call.
+                *sums = (*sums).max(optim.buffer_bytes() as u64);
+            }
             let (m, report) = optim.step_scaled_fused(&mut scaler, args.lr, model, grads)?;
             model = m;
             if let Some(found_inf) = report.and_then(|r| r.found_inf()) {
@@ -390,7 +402,7 @@ where
             } else {
                 1.0
             };
-            history.scale_steps.push(step);
+            history.scale_steps.push(step + 1);
             history.scale_values.push(scale);
             let memory = match Mem::memory_snapshot(&device) {
                 Some(s) => format!("mem {:.1} MiB in use", mib(s.bytes_in_use)),
@@ -606,6 +618,7 @@ mod plots {
     use super::{Compared, Error2, HistoryRecord, mib};
     use burn_amp::memory::{MemoryReport, MemorySource};
     use plotters::prelude::*;
+    use plotters::style::text_anchor::{HPos, Pos, VPos};
     use std::path::Path;
 
     const SIZE: (u32, u32) = (900, 500);
@@ -647,6 +660,7 @@ mod plots {
         chart
             .configure_mesh()
             .x_desc("optimizer step")
+            .x_label_formatter(&|x| format!("{x:.0}"))
             .y_desc("cross-entropy")
             .draw()?;
         let points = |ls: &[f32]| -> Vec<(f64, f64)> {
@@ -689,14 +703,28 @@ mod plots {
         Ok(())
     }
 
-    /// The loss scale as read every `--log-every` steps, skipped steps marked.
+    /// The loss scale as read every `--log-every` steps (log2 axis), skipped steps marked.
     pub fn scale(path: &Path, history: &HistoryRecord, enabled: bool) -> Result<(), Error2> {
         let root = SVGBackend::new(path, SIZE).into_drawing_area();
         root.fill(&WHITE)?;
         let steps = history.losses.len().max(2) as f64;
-        let (lo, hi) = positive_range(history.scale_values.iter().map(|&s| s as f64));
+        let samples: Vec<(f64, f64)> = history
+            .scale_steps
+            .iter()
+            .zip(&history.scale_values)
+            .filter(|(_, v)| **v > 0.0)
+            .map(|(&s, &v)| (s as f64, (v as f64).log2()))
+            .collect();
+        let (lo, hi) = samples.iter().fold((f64::MAX, f64::MIN), |(lo, hi), p| {
+            (lo.min(p.1), hi.max(p.1))
+        });
+        let (lo, hi) = if lo > hi {
+            (-1.0, 1.0)
+        } else {
+            (lo - 1.0, hi + 1.0)
+        };
         let caption = if enabled {
-            "loss scale (read every --log-every steps); x: skipped steps".to_string()
+            "loss scale, read every --log-every steps".to_string()
         } else {
             "loss scale: 1, the scaler is off (it runs at f16 only)".to_string()
         };
@@ -705,42 +733,48 @@ mod plots {
             .margin(15)
             .x_label_area_size(40)
             .y_label_area_size(70)
-            .build_cartesian_2d(0f64..steps, (lo..hi).log_scale())?;
+            .build_cartesian_2d(0f64..steps, lo..hi)?;
         chart
             .configure_mesh()
             .x_desc("optimizer step")
+            .x_label_formatter(&|x| format!("{x:.0}"))
             .y_desc("scale")
+            .y_label_formatter(&|y| {
+                if (y - y.round()).abs() < 1e-6 {
+                    format!("2^{y:.0}")
+                } else {
+                    String::new()
+                }
+            })
             .draw()?;
-        let samples: Vec<(f64, f64)> = history
-            .scale_steps
-            .iter()
-            .zip(&history.scale_values)
-            .map(|(&s, &v)| ((s + 1) as f64, v as f64))
-            .collect();
         chart
             .draw_series(LineSeries::new(samples.clone(), BLUE.stroke_width(2)))?
-            .label("scale")
+            .label("scale (between reads: interpolated)")
             .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], BLUE.stroke_width(2)));
-        // A skipped step is marked at the scale read next (after its backoff).
+        chart.draw_series(samples.iter().map(|&p| Circle::new(p, 3, BLUE.filled())))?;
+        // A skipped step is marked at the scale read next: after its backoff.
         let at = |step: usize| {
             samples
                 .iter()
                 .find(|(s, _)| *s >= (step + 1) as f64)
                 .or(samples.last())
-                .map_or(1.0, |p| p.1)
+                .map_or(0.0, |p| p.1)
         };
         chart
             .draw_series(
                 history
                     .skipped
                     .iter()
-                    .map(|&s| Cross::new(((s + 1) as f64, at(s)), 6, RED.stroke_width(2))),
+                    .map(|&s| Cross::new(((s + 1) as f64, at(s)), 7, RED.stroke_width(2))),
             )?
-            .label(format!("skipped ({})", history.skipped.len()))
+            .label(format!(
+                "skipped step ({}), at the scale read after it",
+                history.skipped.len()
+            ))
             .legend(|(x, y)| Cross::new((x + 10, y), 5, RED.stroke_width(2)));
         chart
             .configure_series_labels()
-            .position(SeriesLabelPosition::LowerRight)
+            .position(SeriesLabelPosition::UpperRight)
             .background_style(WHITE.mix(0.85))
             .border_style(BLACK)
             .draw()?;
@@ -800,8 +834,11 @@ mod plots {
         chart.draw_series(bars.iter().enumerate().map(|(i, (_, bytes))| {
             Text::new(
                 format!("{:.3}", mib(*bytes)),
-                (SegmentValue::CenterOf(i), mib(*bytes) + top * 0.02),
-                ("sans-serif", 14),
+                (SegmentValue::CenterOf(i), mib(*bytes) + top * 0.01),
+                ("sans-serif", 14)
+                    .into_font()
+                    .into_text_style(&root)
+                    .pos(Pos::new(HPos::Center, VPos::Bottom)),
             )
         }))?;
         root.present()?;

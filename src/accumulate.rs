@@ -68,13 +68,13 @@ use burn::module::{AutodiffModule, ModuleVisitor, Param, ParamId};
 use burn::optim::{GradientsParams, LearningRate, MultiGradientsParams, Optimizer};
 use burn::prelude::*;
 use burn::record::Record;
-use burn::tensor::DType;
 use burn::tensor::backend::AutodiffBackend;
+use burn::tensor::{DType, TensorPrimitive};
 use burn_std::FloatDType;
 use serde::{Deserialize, Serialize};
 use thiserror::Error;
 
-use crate::kernels::AmpKernels;
+use crate::kernels::{AmpKernels, fallback};
 use crate::scaler::{FusedOptimizer, GradScaler, ScalerError, Stage, StepReport};
 
 type Inner<B> = <B as AutodiffBackend>::InnerBackend;
@@ -215,31 +215,44 @@ struct Buffer<B: Backend> {
     dtype: FloatDType,
 }
 
-/// `acc += grad × weight`, in f32 (f64 for f64 gradients), whatever the gradient's dtype.
+/// A micro-step's arithmetic on one flattened gradient: `acc + grad × weight`.
+type AccumulateFn<B> = fn(Option<Tensor<B, 1>>, Tensor<B, 1>, f32) -> Tensor<B, 1>;
+
+/// `acc += grad × weight`, in f32 (f64 for f64 gradients), whatever the gradient's dtype:
+/// [`AmpKernels::accumulate`], one fused pass on CubeCL backends (in place in `acc`'s
+/// buffer), the burn ops of [`accumulate_into_plain`] elsewhere.
 ///
-/// The whole arithmetic of a micro-step, in one function so that a fused kernel can
-/// replace it. A weight of 1 (sum, or `N = 1`) costs no multiplication, so a one-step window
-/// hands the optimizer its gradient bit for bit.
-fn accumulate_into<B: Backend>(
+/// The whole arithmetic of a micro-step. A weight of 1 (sum, or `N = 1`) costs no
+/// multiplication, so a one-step window hands the optimizer its gradient bit for bit.
+///
+/// Used by the scaled steps, whose bounds already require `B: AmpKernels`.
+fn accumulate_into<B: AmpKernels>(
     acc: Option<Tensor<B, 1>>,
     grad: Tensor<B, 1>,
     weight: f32,
 ) -> Tensor<B, 1> {
-    let dtype = if grad.dtype() == DType::F64 {
-        FloatDType::F64
-    } else {
-        FloatDType::F32
-    };
-    let grad = grad.cast(dtype);
-    let grad = if weight == 1.0 {
-        grad
-    } else {
-        grad.mul_scalar(weight)
-    };
-    match acc {
-        Some(acc) => acc + grad,
-        None => grad,
-    }
+    let acc = acc.map(|a| a.into_primitive().tensor());
+    let sum = B::accumulate(acc, grad.into_primitive().tensor(), weight);
+    Tensor::from_primitive(TensorPrimitive::Float(sum))
+}
+
+/// [`accumulate_into`] composed from plain burn ops ([`fallback::accumulate`], which is
+/// also the default of [`AmpKernels::accumulate`]: the two agree bit for bit wherever the
+/// kernel is that default, as on `Flex`).
+///
+/// Used by [`GradientAccumulation::try_step`] and the plain [`Optimizer`] impl. Those keep
+/// the bounds of Burn's own optimizers: requiring `B::InnerBackend: AmpKernels` there would
+/// stop `GradientAccumulation` from wrapping optimizers over backends that do not
+/// implement `AmpKernels` (ndarray, candle, tch, router, or any user backend). So only the
+/// scaled steps, which require it already, run the fused kernel.
+fn accumulate_into_plain<B: Backend>(
+    acc: Option<Tensor<B, 1>>,
+    grad: Tensor<B, 1>,
+    weight: f32,
+) -> Tensor<B, 1> {
+    let acc = acc.map(|a| a.into_primitive().tensor());
+    let sum = fallback::accumulate::<B>(acc, grad.into_primitive().tensor(), weight);
+    Tensor::from_primitive(TensorPrimitive::Float(sum))
 }
 
 /// Scales `grads` so that their global L2 norm is at most `max_norm`, on the device.
@@ -264,17 +277,19 @@ fn clip_global_norm<B: Backend>(grads: &mut [Tensor<B, 1>], max_norm: f32) {
     }
 }
 
-/// Adds the gradients of `module`'s parameters in `grads` to `buffers`.
+/// Adds the gradients of `module`'s parameters in `grads` to `buffers`, with `add`.
 fn accumulate_grads<B: AutodiffBackend, M: AutodiffModule<B>>(
     module: &M,
     grads: &mut GradientsParams,
     buffers: &mut HashMap<ParamId, Buffer<Inner<B>>>,
     weight: f32,
+    add: AccumulateFn<Inner<B>>,
 ) {
     struct Visit<'a, B: Backend> {
         grads: &'a mut GradientsParams,
         buffers: &'a mut HashMap<ParamId, Buffer<B>>,
         weight: f32,
+        add: AccumulateFn<B>,
     }
     impl<B: AutodiffBackend> ModuleVisitor<B> for Visit<'_, Inner<B>> {
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
@@ -292,7 +307,7 @@ fn accumulate_grads<B: AutodiffBackend, M: AutodiffModule<B>>(
                 );
                 b.acc
             });
-            let acc = accumulate_into(previous, flat, self.weight);
+            let acc = (self.add)(previous, flat, self.weight);
             self.buffers.insert(param.id, Buffer { acc, shape, dtype });
         }
     }
@@ -300,6 +315,7 @@ fn accumulate_grads<B: AutodiffBackend, M: AutodiffModule<B>>(
         grads,
         buffers,
         weight,
+        add,
     });
 }
 
@@ -560,7 +576,9 @@ impl<O, B: AutodiffBackend> GradientAccumulation<O, B> {
         self.begin(Window::Unscaled)?;
         self.window = Window::Unscaled;
         let weight = self.weight();
-        accumulate_grads::<B, M>(&module, &mut grads, &mut self.buffers, weight);
+        // Plain burn ops: no `AmpKernels` bound here (see `accumulate_into_plain`).
+        let add = accumulate_into_plain::<Inner<B>>;
+        accumulate_grads::<B, M>(&module, &mut grads, &mut self.buffers, weight, add);
         drop(grads);
         if !self.is_boundary() {
             self.micro_step += 1;
@@ -623,7 +641,8 @@ impl<O, B: AutodiffBackend> GradientAccumulation<O, B> {
         };
         // Still scaled: the sum is unscaled once, at the boundary.
         let weight = self.weight();
-        accumulate_grads::<B, M>(&module, &mut grads, &mut self.buffers, weight);
+        let add = accumulate_into::<Inner<B>>;
+        accumulate_grads::<B, M>(&module, &mut grads, &mut self.buffers, weight, add);
         drop(grads);
         if !self.is_boundary() {
             self.micro_step += 1;

@@ -17,7 +17,7 @@ use cubecl::std::tensor::layout::linear::LinearViewLaunch;
 use cubecl::{calculate_cube_count_elemwise, tensor_vector_size_parallel};
 
 use super::cubecl_kernels as k;
-use super::{AdamWHyper, AmpKernels, ScaleRule, SgdHyper};
+use super::{AdamWHyper, AmpKernels, ScaleRule, SgdHyper, fallback};
 
 fn is_f32(dtype: DType) -> bool {
     matches!(dtype, DType::F32 | DType::Flex32)
@@ -146,6 +146,82 @@ fn unscale_one<R: CubeRuntime>(
             inv_scale.clone().into_tensor_arg(),
             found.clone().into_tensor_arg(),
             out_view,
+            dtype.into(),
+        )
+    };
+    out
+}
+
+/// A fresh contiguous f32 buffer of `like`'s shape, on its device.
+fn empty_f32<R: CubeRuntime>(like: &CubeTensor<R>) -> CubeTensor<R> {
+    empty_device_dtype(
+        like.client.clone(),
+        like.device.clone(),
+        like.shape(),
+        DType::F32,
+    )
+}
+
+/// `acc + f32(grad) * weight` into `acc`'s buffer when it may be mutated, else a fresh one.
+/// `acc` is f32 and non-empty, of `grad`'s shape.
+fn accumulate_some<R: CubeRuntime>(
+    acc: CubeTensor<R>,
+    grad: CubeTensor<R>,
+    weight: f32,
+) -> CubeTensor<R> {
+    let client = acc.client.clone();
+    let vs = vector_size(&[&acc, &grad]);
+    let (count, dim) = elemwise_dims(&client, acc.meta.num_elements(), vs);
+    let dtype = grad.dtype;
+    // `acc` is argument 0. Never in place into a buffer someone else holds (`output_for`
+    // checks `can_mut`): `into_contiguous` and clones share buffers.
+    let (out, out_view) = output_for(&acc, 0);
+    let addr = address_type(&[&acc, &grad, &out]);
+    // SAFETY: every access is `ABSOLUTE_POS` behind the output's bounds check, on views of
+    // one shape (asserted by the caller).
+    unsafe {
+        k::accumulate_kernel::launch_unchecked(
+            &client,
+            count,
+            dim,
+            addr,
+            vs,
+            acc.into_linear_view(),
+            grad.into_linear_view(),
+            out_view,
+            weight,
+            dtype.into(),
+        )
+    };
+    out
+}
+
+/// `f32(grad) * weight`, in `grad`'s buffer when it is f32 and may be mutated, else in a
+/// fresh f32 one. `grad` is non-empty.
+fn accumulate_none<R: CubeRuntime>(grad: CubeTensor<R>, weight: f32) -> CubeTensor<R> {
+    let client = grad.client.clone();
+    let vs = vector_size(&[&grad]);
+    let (count, dim) = elemwise_dims(&client, grad.meta.num_elements(), vs);
+    let dtype = grad.dtype;
+    let (out, out_view) = if dtype == DType::F32 {
+        output_for(&grad, 0)
+    } else {
+        let out = empty_f32(&grad);
+        let view = out.clone().into_linear_view();
+        (out, view)
+    };
+    let addr = address_type(&[&grad, &out]);
+    // SAFETY: as `accumulate_some`; the output has the gradient's shape.
+    unsafe {
+        k::accumulate_init_kernel::launch_unchecked(
+            &client,
+            count,
+            dim,
+            addr,
+            vs,
+            grad.into_linear_view(),
+            out_view,
+            weight,
             dtype.into(),
         )
     };
@@ -401,6 +477,36 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> AmpKernels
                 };
                 (p_out, Some(b_out))
             }
+        }
+    }
+
+    fn accumulate(
+        acc: Option<FloatTensor<Self>>,
+        grad: FloatTensor<Self>,
+        weight: f32,
+    ) -> FloatTensor<Self> {
+        // f64 gradients (or an accumulator that is not f32) take the burn ops.
+        if grad.dtype == DType::F64 || acc.as_ref().is_some_and(|a| a.dtype != DType::F32) {
+            return fallback::accumulate::<Self>(acc, grad, weight);
+        }
+        let empty = grad.meta.num_elements() == 0;
+        match acc {
+            Some(acc) => {
+                assert_eq!(
+                    acc.meta.shape(),
+                    grad.meta.shape(),
+                    "the accumulator must have the gradient's shape"
+                );
+                if empty {
+                    acc
+                } else {
+                    accumulate_some(acc, grad, weight)
+                }
+            }
+            // As the fallback: an f32 gradient with weight 1 is the sum itself, uncopied.
+            None if grad.dtype == DType::F32 && weight == 1.0 => grad,
+            None if empty => empty_f32(&grad),
+            None => accumulate_none(grad, weight),
         }
     }
 }

@@ -4,7 +4,7 @@
 
 use burn_backend::tensor::FloatTensor;
 use burn_backend::{Backend, Scalar, TensorMetadata, get_device_settings};
-use burn_std::{FloatDType, Shape, Slice};
+use burn_std::{DType, FloatDType, Shape, Slice};
 
 use super::{AdamWHyper, ScaleRule, ScaleState, SgdHyper};
 
@@ -307,4 +307,36 @@ pub fn sgd_step<B: Backend>(
         B::float_cast(new_p, dtype.into())
     };
     (B::float_mask_where(new_p, skip, param), new_buf)
+}
+
+/// See [`AmpKernels::accumulate`](super::AmpKernels::accumulate).
+///
+/// Exactly the burn-tensor ops the plain `acc + grad.cast(..).mul_scalar(weight)` runs, in
+/// its order: a cast only when the dtype differs (as `Tensor::cast`), no multiplication for a
+/// weight of 1, then one `add`.
+pub fn accumulate<B: Backend>(
+    acc: Option<FloatTensor<B>>,
+    grad: FloatTensor<B>,
+    weight: f32,
+) -> FloatTensor<B> {
+    let dtype = if grad.dtype() == DType::F64 {
+        FloatDType::F64
+    } else {
+        FloatDType::F32
+    };
+    let current: FloatDType = grad.dtype().into();
+    let grad = if current == dtype {
+        grad
+    } else {
+        B::float_cast(grad, dtype)
+    };
+    let grad = if weight == 1.0 {
+        grad
+    } else {
+        B::float_mul_scalar(grad, s(weight as f64))
+    };
+    match acc {
+        Some(acc) => B::float_add(acc, grad),
+        None => grad,
+    }
 }

@@ -13,7 +13,7 @@ use burn_fusion::stream::{Operation, OperationStreams};
 use burn_fusion::{Fusion, FusionBackend, FusionRuntime};
 use burn_ir::{CustomOpIr, HandleContainer, OperationIr, TensorIr};
 
-use super::{AdamWHyper, AmpKernels, ScaleRule, SgdHyper};
+use super::{AdamWHyper, AmpKernels, ScaleRule, SgdHyper, fallback};
 
 type Handles<B> =
     HandleContainer<<<B as FusionBackend>::FusionRuntime as FusionRuntime>::FusionHandle>;
@@ -121,6 +121,29 @@ impl<B: FusionBackend + AmpKernels> Operation<B::FusionRuntime> for SgdOp<B> {
         if let (Some(out), Some(b)) = (self.desc.outputs.get(1), b) {
             handles.register_float_tensor::<B>(&out.id, b);
         }
+    }
+}
+
+#[derive(Debug)]
+struct AccumulateOp<B> {
+    desc: CustomOpIr,
+    weight: f32,
+    _b: PhantomData<B>,
+}
+
+impl<B: FusionBackend + AmpKernels> Operation<B::FusionRuntime> for AccumulateOp<B> {
+    fn execute(&self, handles: &mut Handles<B>) {
+        // Inputs: the accumulator (when there is one), then the gradient.
+        let mut inputs: Vec<_> = self
+            .desc
+            .inputs
+            .iter()
+            .map(|t| handles.get_float_tensor::<B>(t))
+            .collect();
+        let grad = inputs.pop().unwrap();
+        let acc = inputs.pop();
+        let out = B::accumulate(acc, grad, self.weight);
+        handles.register_float_tensor::<B>(&self.desc.outputs[0].id, out);
     }
 }
 
@@ -300,5 +323,56 @@ impl<B: FusionBackend + AmpKernels> AmpKernels for Fusion<B> {
             .into_iter();
         let p = outs.next().unwrap();
         (p, outs.next())
+    }
+
+    fn accumulate(
+        acc: Option<FloatTensor<Self>>,
+        grad: FloatTensor<Self>,
+        weight: f32,
+    ) -> FloatTensor<Self> {
+        use burn_backend::DType;
+        if let Some(acc) = &acc {
+            assert_eq!(
+                acc.shape(),
+                grad.shape(),
+                "the accumulator must have the gradient's shape"
+            );
+        }
+        let empty = grad.shape().num_elements() == 0;
+        // f64 gradients (or an accumulator that is not f32) take the burn ops, which fusion
+        // can still fuse; so do empty tensors without an accumulator.
+        if grad.dtype() == DType::F64
+            || acc.as_ref().is_some_and(|a| a.dtype() != DType::F32)
+            || (empty && acc.is_none())
+        {
+            return fallback::accumulate::<Self>(acc, grad, weight);
+        }
+        let acc = match acc {
+            Some(acc) if empty => return acc,
+            // As the fallback: an f32 gradient with weight 1 is the sum itself, uncopied.
+            None if grad.dtype() == DType::F32 && weight == 1.0 => return grad,
+            acc => acc,
+        };
+        let client = grad.client.clone();
+        let streams = match &acc {
+            Some(acc) => OperationStreams::with_inputs([acc, &grad]),
+            None => OperationStreams::with_inputs([&grad]),
+        };
+        let out = TensorIr::uninit(client.create_empty_handle(), grad.shape(), DType::F32);
+        let mut inputs = Vec::with_capacity(2);
+        if let Some(acc) = acc {
+            inputs.push(acc.into_ir());
+        }
+        inputs.push(grad.into_ir());
+        let desc = CustomOpIr::new("burn_amp_accumulate", &inputs, &[out]);
+        let op = AccumulateOp::<B> {
+            desc: desc.clone(),
+            weight,
+            _b: PhantomData,
+        };
+        client
+            .register(streams, OperationIr::Custom(desc), op)
+            .pop()
+            .unwrap()
     }
 }

@@ -1,4 +1,5 @@
-//! The hot paths of loss scaling and the fused optimizers, as one extension trait.
+//! The hot paths of loss scaling, the fused optimizers and gradient accumulation, as one
+//! extension trait.
 //!
 //! Every method has a default built from plain burn ops ([`fallback`]), so any backend can
 //! implement [`AmpKernels`] with an empty `impl`. CubeCL backends (`CubeBackend`, and the
@@ -137,6 +138,22 @@ pub trait AmpKernels: Backend {
     ) -> (FloatTensor<Self>, Option<FloatTensor<Self>>) {
         fallback::sgd_step::<Self>(param, grad, momentum, inv_scale, found_inf, hyper)
     }
+
+    /// One micro-step of gradient accumulation: `acc + grad × weight`, in f32 whatever the
+    /// gradient's dtype (f64 for f64 gradients). `None` starts a window: the result is then
+    /// `grad × weight` alone. A weight of 1 costs no multiplication, so the first micro-step
+    /// of a one-step window is the gradient bit for bit.
+    ///
+    /// `acc` (f32, or f64 for f64 gradients) has the gradient's shape. It is consumed: the
+    /// kernels write the sum into its buffer when nothing else holds it, so a clone the
+    /// caller keeps never changes.
+    fn accumulate(
+        acc: Option<FloatTensor<Self>>,
+        grad: FloatTensor<Self>,
+        weight: f32,
+    ) -> FloatTensor<Self> {
+        fallback::accumulate::<Self>(acc, grad, weight)
+    }
 }
 
 impl AmpKernels for burn::backend::Flex {}
@@ -182,5 +199,13 @@ impl<B: AmpKernels> AmpKernels for crate::Amp<B> {
         hyper: SgdHyper,
     ) -> (FloatTensor<Self>, Option<FloatTensor<Self>>) {
         B::sgd_step(param, grad, momentum, inv_scale, found_inf, hyper)
+    }
+
+    fn accumulate(
+        acc: Option<FloatTensor<Self>>,
+        grad: FloatTensor<Self>,
+        weight: f32,
+    ) -> FloatTensor<Self> {
+        B::accumulate(acc, grad, weight)
     }
 }

@@ -74,7 +74,11 @@ impl<B: burn_fusion::FusionBackend + DeviceMemory> DeviceMemory for burn_fusion:
     }
 }
 
-impl<B: DeviceMemory> DeviceMemory for burn::backend::Autodiff<B> {
+impl<B, C> DeviceMemory for burn::backend::Autodiff<B, C>
+where
+    B: DeviceMemory,
+    C: burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy,
+{
     fn memory_snapshot(device: &Self::Device) -> Option<MemorySnapshot> {
         B::memory_snapshot(device)
     }

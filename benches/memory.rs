@@ -1,0 +1,185 @@
+//! Where the memory of a TinyLm training step goes, on wgpu (lavapipe) with allocator
+//! figures: f32, f16 AMP, f16 AMP with half the parameters frozen, and f16 AMP with
+//! activation checkpointing. One table, ratios against f32, then one JSON line.
+//!
+//! `cargo bench --bench memory` (`cargo test` runs it small, as a smoke test).
+
+use burn::backend::autodiff::checkpoint::strategy::BalancedCheckpointing;
+use burn::backend::{Autodiff, Wgpu};
+use burn::module::{AutodiffModule, ModuleMapper, Param};
+use burn::optim::GradientsParams;
+use burn::prelude::*;
+use burn::tensor::backend::AutodiffBackend;
+use burn_amp::demo::{ReversalTask, TinyLmConfig};
+use burn_amp::kernels::AmpKernels;
+use burn_amp::memory::{DeviceMemory, MemoryReport, StepMemory};
+use burn_amp::scaler::{FusedAdamWConfig, FusedOptimizer};
+use burn_amp::{Amp, Precision, autocast};
+
+/// Freezes the first half of the parameters, in visiting order (the embeddings and the
+/// first blocks): no gradients, no optimizer state for them.
+struct FreezeHalf {
+    seen: usize,
+    half: usize,
+}
+
+impl<B: Backend> ModuleMapper<B> for FreezeHalf {
+    fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
+        self.seen += 1;
+        if self.seen <= self.half {
+            param.set_require_grad(false)
+        } else {
+            param
+        }
+    }
+}
+
+fn report<B>(
+    precision: Precision,
+    freeze_half: bool,
+    config: TinyLmConfig,
+    batch: usize,
+) -> MemoryReport
+where
+    B: AutodiffBackend + DeviceMemory,
+    B::InnerBackend: AmpKernels,
+{
+    let device = Default::default();
+    let _g = autocast(precision);
+    B::seed(&device, 1);
+    let mut model = config.init::<B>(&device);
+    if freeze_half {
+        let n = num_param_tensors::<B, _>(&model);
+        model = model.map(&mut FreezeHalf {
+            seen: 0,
+            half: n / 2,
+        });
+    }
+    let mut optim = FusedAdamWConfig::new().init::<B>();
+    let mut task = ReversalTask::new(config.vocab, config.seq_len, 1);
+    let mut last = MemoryReport::default();
+    // The second step is measured: parameters materialised, optimizer state allocated.
+    for _ in 0..2 {
+        let (x, y) = task.batch::<B>(batch, &device);
+        let mut memory = StepMemory::begin::<B>(&device);
+        let loss = model.loss(x, y);
+        memory.after_forward::<B>(&device);
+        let grads = GradientsParams::from_grads(loss.backward(), &model);
+        memory.after::<B>(&device);
+        last = memory.report::<B, _>(&model, Some(&grads), optim.state_bytes());
+        model = optim.step_scaled(1e-3, model, grads, None, None);
+        memory.after::<B>(&device);
+    }
+    let _ = model.valid();
+    last
+}
+
+/// Number of float parameter tensors of `module`.
+fn num_param_tensors<B: Backend, M: burn::module::Module<B>>(module: &M) -> usize {
+    struct Count(usize);
+    impl<B: Backend> burn::module::ModuleVisitor<B> for Count {
+        fn visit_float<const D: usize>(&mut self, _: &Param<Tensor<B, D>>) {
+            self.0 += 1;
+        }
+    }
+    let mut c = Count(0);
+    module.visit(&mut c);
+    c.0
+}
+
+fn mib(b: u64) -> String {
+    format!("{:.2}", b as f64 / 1048576.0)
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args().collect();
+    let quick = args.iter().any(|a| a == "--quick") || !args.iter().any(|a| a == "--bench");
+    if std::env::var_os("XDG_RUNTIME_DIR").is_none() {
+        // SAFETY: single-threaded here, before any device exists.
+        unsafe { std::env::set_var("XDG_RUNTIME_DIR", std::env::temp_dir()) };
+    }
+    let (config, batch) = if quick {
+        (TinyLmConfig::new().with_d_model(32).with_d_ff(64), 8)
+    } else {
+        (
+            TinyLmConfig::new()
+                .with_d_model(128)
+                .with_d_ff(512)
+                .with_seq_len(64)
+                .with_n_layers(4)
+                .with_dropout(0.0),
+            32,
+        )
+    };
+    // Each on a thread of its own: CubeCL counts memory per stream, per thread.
+    let run = |name: &'static str, f: fn(TinyLmConfig, usize) -> MemoryReport| {
+        let config = config.clone();
+        (
+            name,
+            std::thread::spawn(move || f(config, batch)).join().unwrap(),
+        )
+    };
+    let rows = [
+        run("f32", |c, b| {
+            report::<Autodiff<Wgpu>>(Precision::F32, false, c, b)
+        }),
+        run("f16 AMP", |c, b| {
+            report::<Amp<Autodiff<Wgpu>>>(Precision::F16, false, c, b)
+        }),
+        run("f16 AMP, half frozen", |c, b| {
+            report::<Amp<Autodiff<Wgpu>>>(Precision::F16, true, c, b)
+        }),
+        run("f16 AMP, checkpointing", |c, b| {
+            report::<Amp<Autodiff<Wgpu, BalancedCheckpointing>>>(Precision::F16, false, c, b)
+        }),
+    ];
+    let base = rows[0].1;
+    println!(
+        "TinyLm d_model {} seq {} layers {} batch {batch}, Wgpu (lavapipe), second training step, MiB",
+        config.d_model, config.seq_len, config.n_layers
+    );
+    println!(
+        "| config | params | frozen | grads | AdamW state | activations | peak in use | peak / f32 | activations / f32 |"
+    );
+    println!("|---|---|---|---|---|---|---|---|---|");
+    let mut json = Vec::new();
+    for (name, r) in &rows {
+        let ratio = |a: u64, b: u64| {
+            if b == 0 {
+                f64::NAN
+            } else {
+                a as f64 / b as f64
+            }
+        };
+        println!(
+            "| {name} | {} | {} | {} | {} | {} | {} | {:.3} | {:.3} |",
+            mib(r.parameters),
+            mib(r.frozen_parameters),
+            mib(r.gradients),
+            mib(r.optimizer_state),
+            mib(r.activations),
+            mib(r.peak_in_use),
+            ratio(r.peak_in_use, base.peak_in_use),
+            ratio(r.activations, base.activations),
+        );
+        json.push(format!(
+            "{{\"config\":\"{name}\",\"report\":{}}}",
+            serde_json_line(r)
+        ));
+    }
+    println!("{{\"bench\":\"memory\",\"rows\":[{}]}}", json.join(","));
+}
+
+/// The report as JSON (its serde form, written by hand to keep the bench dependency-free).
+fn serde_json_line(r: &MemoryReport) -> String {
+    format!(
+        "{{\"parameters\":{},\"frozen_parameters\":{},\"gradients\":{},\"optimizer_state\":{},\"activations\":{},\"peak_in_use\":{},\"reserve_and_fragmentation\":{}}}",
+        r.parameters,
+        r.frozen_parameters,
+        r.gradients,
+        r.optimizer_state,
+        r.activations,
+        r.peak_in_use,
+        r.reserve_and_fragmentation
+    )
+}
