@@ -1,6 +1,7 @@
 //! The fused `unscale_and_check` kernel against the same work composed from burn ops and
 //! against one bare `mul_scalar` pass (the floor), on `Wgpu` (fusion over CubeCL; lavapipe
-//! on a machine without a GPU).
+//! on a machine without a GPU). Then the fused gradient-accumulation kernel
+//! (`AmpKernels::accumulate`) against its burn-op composition (`fallback::accumulate`).
 //!
 //! ```text
 //! cargo bench --bench kernels                    # 25M f32 params, 7 timed runs per path
@@ -25,6 +26,12 @@
 //! - floor: T `mul_scalar` ops; alone (T = 1) that is 1 kernel, but fusion merges runs of
 //!   independent same-shape elementwise ops, so 100 of them ran as 8 kernels (a bound of T,
 //!   not an exact count).
+//!
+//! Accumulation (`acc += grad × 0.25`, f32 sums of f32 or f16 gradients, 100 tensors): each
+//! path keeps its own sums and hands them back to the next call, as a window does, so both
+//! may work in place; the gradients are held by the caller. Fused: one
+//! `accumulate_kernel` per tensor. Composed: `mul_scalar` (+ a cast for f16) + `add`, which
+//! fusion may fuse into one elementwise kernel per tensor, or merge across tensors.
 
 use std::time::{Duration, Instant};
 
@@ -155,6 +162,94 @@ fn count_launches(path: Path, grads: &[FloatTensor<B>], device: &WgpuDevice) -> 
     end - start
 }
 
+/// Fused accumulation against the burn-op composition; one row per gradient dtype.
+fn bench_accumulate(total: usize, timed: usize, warmup: usize, device: &WgpuDevice) -> String {
+    const WEIGHT: f32 = 0.25;
+    let tensors = 100;
+    let each = total / tensors;
+    println!();
+    println!(
+        "accumulate (acc += grad x {WEIGHT}) on Wgpu: {tensors} x {each}, median of {timed} runs after {warmup} warm-ups"
+    );
+    println!("| grad dtype | path     | median ms | GB/s (r+w) | vs fused |");
+    println!("|------------|----------|-----------|------------|----------|");
+    let mut json = Vec::new();
+    for dtype in [FloatDType::F32, FloatDType::F16] {
+        let grads: Vec<FloatTensor<B>> = (0..tensors)
+            .map(|_| {
+                let g = B::float_random(
+                    Shape::new([each]),
+                    Distribution::Uniform(-1.0, 1.0),
+                    device,
+                    FloatDType::F32,
+                );
+                if dtype == FloatDType::F32 {
+                    g
+                } else {
+                    B::float_cast(g, dtype)
+                }
+            })
+            .collect();
+        let mut medians = Vec::new();
+        for fused in [true, false] {
+            let mut accs: Vec<FloatTensor<B>> = (0..tensors)
+                .map(|_| B::float_zeros(Shape::new([each]), device, FloatDType::F32))
+                .collect();
+            let mut times = Vec::new();
+            for i in 0..warmup + timed {
+                sync(device);
+                let start = Instant::now();
+                accs = accs
+                    .into_iter()
+                    .zip(&grads)
+                    .map(|(acc, g)| {
+                        if fused {
+                            B::accumulate(Some(acc), g.clone(), WEIGHT)
+                        } else {
+                            fallback::accumulate::<B>(Some(acc), g.clone(), WEIGHT)
+                        }
+                    })
+                    .collect();
+                sync(device);
+                if i >= warmup {
+                    times.push(start.elapsed());
+                }
+            }
+            medians.push(median(times));
+        }
+        let (fused, composed) = (medians[0].as_secs_f64(), medians[1].as_secs_f64());
+        // Reads the sum and the gradient, writes the sum.
+        let bytes = total * (4 + 4 + dtype_size(dtype));
+        for (name, s) in [("fused", fused), ("composed", composed)] {
+            println!(
+                "| {:<10} | {name:<8} | {:>9.1} | {:>10.2} | {:>7.2}x |",
+                format!("{dtype:?}"),
+                s * 1e3,
+                bytes as f64 / s / 1e9,
+                s / fused,
+            );
+        }
+        json.push(format!(
+            "{{\"grad_dtype\":\"{dtype:?}\",\"fused_ms\":{:.2},\"composed_ms\":{:.2},\"speedup_fused_vs_composed\":{:.3}}}",
+            fused * 1e3,
+            composed * 1e3,
+            composed / fused,
+        ));
+    }
+    format!(
+        "{{\"bench\":\"accumulate\",\"backend\":\"Wgpu\",\"total_params\":{total},\"tensors\":{tensors},\"timed_runs\":{timed},\"rows\":[{}]}}",
+        json.join(",")
+    )
+}
+
+fn dtype_size(dtype: FloatDType) -> usize {
+    match dtype {
+        FloatDType::F64 => 8,
+        FloatDType::F16 | FloatDType::BF16 => 2,
+        FloatDType::F32 | FloatDType::Flex32 => 4,
+    }
+}
+
 fn main() {
     let args: Vec<String> = std::env::args().collect();
     // `cargo bench` passes `--bench`; under `cargo test --all-targets` this is a quick smoke run.
@@ -256,8 +351,10 @@ fn main() {
             launches(2, Path::Floor),
         ));
     }
+    let accumulate_json = bench_accumulate(total, timed, warmup, &device);
     println!(
         "{{\"bench\":\"unscale_and_check\",\"backend\":\"Wgpu\",\"quick\":{quick},\"total_params\":{total},\"timed_runs\":{timed},\"layouts\":[{}]}}",
         json_layouts.join(",")
     );
+    println!("{accumulate_json}");
 }
