@@ -224,6 +224,10 @@ impl MemoryReport {
                 "freeze the parts that need no training",
                 "Precision::Bf16 or F16 for the activations' share of the step",
             ],
+            _ if self.frozen_parameters > self.parameters => &[
+                "store the frozen parts in bf16/f16 (Frozen::with_storage: half the bytes)",
+                "a smaller model",
+            ],
             _ => &[
                 "freeze a backbone and store it in bf16 (half the bytes)",
                 "a smaller model",
