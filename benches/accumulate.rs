@@ -17,6 +17,9 @@
 //!
 //! Prints a table, then one JSON line. `cargo bench --bench accumulate [-- --no-wgpu]`.
 
+#[path = "common/report.rs"]
+mod report;
+
 use std::process::Command;
 use std::time::Instant;
 
@@ -505,9 +508,9 @@ fn main() {
             s.params, s.param_bytes, s.grad_bytes, s.adam_bytes, s.accum_bytes, per(total)
         ));
     }
-    println!(
+    report::emit(&format!(
         r#"{{"bench":"accumulate","n":{N},"micro_batch":{MICRO},"steps":[{}],"state":[{}]}}"#,
         json.join(","),
         state_json.join(",")
-    );
+    ));
 }

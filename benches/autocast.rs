@@ -9,6 +9,9 @@
 //! quick, as a smoke test). Prints a table, then
 //! one JSON line.
 
+#[path = "common/report.rs"]
+mod report;
+
 use std::time::{Duration, Instant};
 
 use burn::backend::{Autodiff, Flex, Wgpu};
@@ -216,10 +219,10 @@ fn main() {
             None
         }
     };
-    println!(
+    report::emit(&format!(
         "{{\"bench\":\"autocast\",\"iterations\":{iters},\"overhead_mlp_ratio\":{mlp_ratio:.4},\"overhead_transformer_ratio\":{lm_ratio:.4},\"peak_memory_f16_over_f32\":{},\"peak_f16_bytes\":{},\"peak_f32_bytes\":{}}}",
         memory_ratio.map_or("null".to_string(), |r| format!("{r:.4}")),
         f16_peak.map_or("null".to_string(), |p| p.0.to_string()),
         f32_peak.map_or("null".to_string(), |p| p.0.to_string()),
-    );
+    ));
 }

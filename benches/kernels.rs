@@ -33,6 +33,9 @@
 //! `accumulate_kernel` per tensor. Composed: `mul_scalar` (+ a cast for f16) + `add`, which
 //! fusion may fuse into one elementwise kernel per tensor, or merge across tensors.
 
+#[path = "common/report.rs"]
+mod report;
+
 use std::time::{Duration, Instant};
 
 use burn::backend::Wgpu;
@@ -221,13 +224,13 @@ fn bench_accumulate(total: usize, timed: usize, warmup: usize, device: &WgpuDevi
         // Reads the sum and the gradient, writes the sum.
         let bytes = total * (4 + 4 + dtype_size(dtype));
         for (name, s) in [("fused", fused), ("composed", composed)] {
-            println!(
+            report::emit(&format!(
                 "| {:<10} | {name:<8} | {:>9.1} | {:>10.2} | {:>7.2}x |",
                 format!("{dtype:?}"),
                 s * 1e3,
                 bytes as f64 / s / 1e9,
                 s / fused,
-            );
+            ));
         }
         json.push(format!(
             "{{\"grad_dtype\":\"{dtype:?}\",\"fused_ms\":{:.2},\"composed_ms\":{:.2},\"speedup_fused_vs_composed\":{:.3}}}",
@@ -352,9 +355,9 @@ fn main() {
         ));
     }
     let accumulate_json = bench_accumulate(total, timed, warmup, &device);
-    println!(
+    report::emit(&format!(
         "{{\"bench\":\"unscale_and_check\",\"backend\":\"Wgpu\",\"quick\":{quick},\"total_params\":{total},\"timed_runs\":{timed},\"layouts\":[{}]}}",
         json_layouts.join(",")
-    );
+    ));
     println!("{accumulate_json}");
 }

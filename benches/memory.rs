@@ -4,6 +4,9 @@
 //!
 //! `cargo bench --bench memory` (`cargo test` runs it small, as a smoke test).
 
+#[path = "common/report.rs"]
+mod report;
+
 use burn::backend::autodiff::checkpoint::strategy::BalancedCheckpointing;
 use burn::backend::{Autodiff, Wgpu};
 use burn::module::{AutodiffModule, ModuleMapper, Param};
@@ -167,7 +170,10 @@ fn main() {
             serde_json_line(r)
         ));
     }
-    println!("{{\"bench\":\"memory\",\"rows\":[{}]}}", json.join(","));
+    report::emit(&format!(
+        "{{\"bench\":\"memory\",\"rows\":[{}]}}",
+        json.join(",")
+    ));
 }
 
 /// The report as JSON (its serde form, written by hand to keep the bench dependency-free).
