@@ -74,9 +74,10 @@ fn parameters_and_gradients_are_exact() {
         report.gradients, PARAM_BYTES,
         "one f32 gradient per parameter"
     );
-    // Flex has no allocator counters: no activation figure, and the report says so.
-    assert_eq!(report.source, None);
-    assert_eq!(report.activations, 0);
+    // Flex has no allocator counters: activations and peak are an estimate from the
+    // process's resident memory, and the report says so.
+    assert_eq!(report.source, Some(MemorySource::Estimate));
+    assert!(report.to_string().contains("estimate"));
 }
 
 #[test]

@@ -13,7 +13,8 @@ use serde::{Deserialize, Serialize};
 pub enum MemorySource {
     /// Read from the backend's allocator (CubeCL: wgpu, cuda).
     Allocator,
-    /// The backend exposes no allocator (Flex, ndarray): an estimate from tensor sizes.
+    /// The backend exposes no allocator (Flex, ndarray): activations and peak estimated
+    /// from the process resident memory; parameters, gradients and state stay exact.
     Estimate,
 }
 
@@ -245,7 +246,9 @@ impl core::fmt::Display for MemoryReport {
     fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
         let source = match self.source {
             Some(MemorySource::Allocator) => "allocator",
-            Some(MemorySource::Estimate) => "estimate from tensor sizes",
+            Some(MemorySource::Estimate) => {
+                "activations and peak: an estimate from the process resident memory"
+            }
             None => "tensor sizes only",
         };
         writeln!(f, "memory of one training step ({source})")?;
@@ -278,12 +281,39 @@ pub struct StepMemory {
     after_forward: Option<MemorySnapshot>,
     peak: PeakMemory,
     reserved: u64,
+    source: Option<MemorySource>,
+}
+
+/// The process's resident memory (Linux), the estimate used where the backend has no
+/// allocator counters: it also counts whatever else the process holds, and freed memory
+/// the system allocator keeps.
+fn resident_bytes() -> Option<u64> {
+    let statm = std::fs::read_to_string("/proc/self/statm").ok()?;
+    let pages: u64 = statm.split_whitespace().nth(1)?.parse().ok()?;
+    Some(pages * 4096)
 }
 
 impl StepMemory {
     fn sample<B: DeviceMemory>(&mut self, device: &B::Device) -> Option<MemorySnapshot> {
-        let snapshot = B::memory_snapshot(device)?;
-        self.peak.sample::<B>(device);
+        let snapshot = match B::memory_snapshot(device) {
+            Some(snapshot) => {
+                self.peak.sample::<B>(device);
+                self.source = Some(MemorySource::Allocator);
+                snapshot
+            }
+            None => {
+                // No allocator figures (Flex, ndarray): the resident set, labelled an estimate.
+                let rss = resident_bytes()?;
+                self.source = Some(MemorySource::Estimate);
+                self.peak.peak = self.peak.peak.max(rss);
+                self.peak.baseline.get_or_insert(rss);
+                MemorySnapshot {
+                    bytes_in_use: rss,
+                    bytes_reserved: rss,
+                    allocations: 0,
+                }
+            }
+        };
         self.reserved = self.reserved.max(snapshot.bytes_reserved);
         Some(snapshot)
     }
@@ -330,7 +360,7 @@ impl StepMemory {
             activations,
             peak_in_use: self.peak.peak,
             reserve_and_fragmentation: self.reserved.saturating_sub(self.peak.peak),
-            source: self.before.map(|_| MemorySource::Allocator),
+            source: self.source,
         }
     }
 }
