@@ -29,7 +29,10 @@ use burn::tensor::backend::AutodiffBackend;
 use burn_amp::accumulate::GradientAccumulationRecord;
 use burn_amp::demo::{ReversalTask, TinyLm, TinyLmConfig, TinyLmRecord};
 use burn_amp::kernels::AmpKernels;
-use burn_amp::memory::{DeviceMemory, MemoryReport, PeakMemory, StepMemory, parameter_bytes};
+use burn_amp::memory::{
+    DeviceMemory, MemoryGuard, MemoryReport, PeakMemory, StepMemory, find_micro_batch,
+    parameter_bytes,
+};
 use burn_amp::scaler::fused::FusedRecord;
 use burn_amp::scaler::{FusedAdamW, FusedAdamWConfig, GradScalerConfig, GradScalerRecord};
 use burn_amp::{Amp, GradientAccumulation, Precision, autocast, freeze, host_reads};
@@ -97,6 +100,16 @@ struct Args {
     /// the JSON line this example prints works too (its final loss is drawn as a line).
     #[arg(long, requires = "plot")]
     compare: Option<PathBuf>,
+    /// `auto`: pick the largest micro-batch whose training step fits --memory-budget, and
+    /// accumulate to reach --batch (rounded up to whole micro-batches). Needs allocator
+    /// figures (wgpu, cuda).
+    #[arg(long)]
+    target_batch: Option<String>,
+    /// Memory budget in MiB for --target-batch auto (CubeCL exposes no free-memory figure).
+    /// It bounds a micro-batch's forward+backward; optimizer state and accumulation sums
+    /// come on top.
+    #[arg(long)]
+    memory_budget: Option<f64>,
 }
 
 #[derive(ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
@@ -204,6 +217,67 @@ fn mib(bytes: u64) -> f64 {
     bytes as f64 / 1048576.0
 }
 
+fn model_config(args: &Args) -> TinyLmConfig {
+    TinyLmConfig::new()
+        .with_d_model(args.d_model)
+        .with_d_ff(args.d_model * 2)
+        .with_n_layers(args.layers)
+        .with_dropout(0.0)
+}
+
+/// `--target-batch auto`: the largest micro-batch whose forward+backward stays within the
+/// budget (doubling, then bisection, each size measured once under a `MemoryGuard`), and
+/// the accumulation that reaches the effective batch.
+fn auto_batch<B, Mem>(
+    args: &Args,
+    device: &B::Device,
+    precision: Precision,
+) -> Result<(usize, usize), Error2>
+where
+    B: AutodiffBackend,
+    Mem: DeviceMemory<Device = B::Device>,
+{
+    let target = args.batch.unwrap_or(64);
+    let budget = args.memory_budget.ok_or(
+        "--target-batch auto needs --memory-budget MIB: CubeCL reports no free-memory figure",
+    )?;
+    if Mem::memory_snapshot(device).is_none() {
+        return Err(
+            "--target-batch auto needs allocator figures: use --backend wgpu or cuda".into(),
+        );
+    }
+    let _amp = autocast(precision);
+    let config = model_config(args);
+    let model: TinyLm<B> = config.init::<B>(device);
+    let mut task = ReversalTask::new(config.vocab, config.seq_len, args.seed ^ 0xA5);
+    let mut guard = MemoryGuard::new(Some((budget * 1048576.0) as u64));
+    let plan = find_micro_batch(target, |b| {
+        let model = model.clone();
+        let (x, y) = task.batch::<B>(b, device);
+        guard
+            .run::<Mem, _>(device, |peak| {
+                let loss = model.loss(x, y);
+                peak.sample::<Mem>(device);
+                let grads = loss.backward();
+                peak.sample::<Mem>(device);
+                drop(grads);
+            })
+            .map(|_| guard.last_peak())
+    })?;
+    // Equal micro-batches as close to the target as the window allows: ceil(target / N)
+    // is at most the largest that fits.
+    let accum = plan.accumulation_steps;
+    let micro = target.div_ceil(accum);
+    eprintln!(
+        "--target-batch auto: largest fitting micro-batch {} (forward+backward peak {:.1} of {budget} MiB); \
+         training {micro} x {accum} = {} (target {target})",
+        plan.micro_batch,
+        plan.peak_bytes.unwrap_or(0) as f64 / 1048576.0,
+        micro * accum
+    );
+    Ok((micro, accum))
+}
+
 fn run<B, Mem>(args: &Args, backend: &str) -> Result<(), Error2>
 where
     B: AutodiffBackend,
@@ -229,15 +303,15 @@ where
         )
         .into());
     }
-    let (micro_batch, accum) = batch_plan(args)?;
+    let (micro_batch, accum) = match args.target_batch.as_deref() {
+        None => batch_plan(args)?,
+        Some("auto") => auto_batch::<B, Mem>(args, &device, precision)?,
+        Some(other) => return Err(format!("--target-batch takes `auto`, not `{other}`").into()),
+    };
     let log_every = args.log_every.max(1);
     let _amp = autocast(precision);
     B::seed(&device, args.seed);
-    let config = TinyLmConfig::new()
-        .with_d_model(args.d_model)
-        .with_d_ff(args.d_model * 2)
-        .with_n_layers(args.layers)
-        .with_dropout(0.0);
+    let config = model_config(args);
     let mut model: TinyLm<B> = config.init::<B>(&device);
     let mut task = ReversalTask::new(config.vocab, config.seq_len, args.seed);
     let mut scaler = GradScalerConfig::new()
