@@ -152,6 +152,125 @@ fn step_peak<B: AutodiffBackend + DeviceMemory>(
     Some((peak.peak, peak.baseline.unwrap_or(0)))
 }
 
+/// One scaled training step of TinyLm (forward, backward, scaler, optimizer, update);
+/// returns the host reads it made.
+fn scaled_step<B>(
+    model: burn_amp::demo::TinyLm<B>,
+    batch: &(Tensor<B, 2, Int>, Tensor<B, 2, Int>),
+    scaler: &mut burn_amp::scaler::GradScaler<B>,
+    fused: &mut burn_amp::scaler::FusedAdamW<B>,
+    adam: &mut burn::optim::adaptor::OptimizerAdaptor<
+        burn::optim::Adam,
+        burn_amp::demo::TinyLm<B>,
+        B,
+    >,
+    use_fused: bool,
+) -> (burn_amp::demo::TinyLm<B>, u64)
+where
+    B: AutodiffBackend,
+    B::InnerBackend: burn_amp::kernels::AmpKernels,
+{
+    let reads = burn_amp::host_reads();
+    let loss = model.loss(batch.0.clone(), batch.1.clone());
+    let grads = burn::optim::GradientsParams::from_grads(scaler.scale(loss).backward(), &model);
+    let (model, _) = if use_fused {
+        scaler.step_fused(fused, 1e-3, model, grads).unwrap()
+    } else {
+        scaler.step(adam, 1e-3, model, grads).unwrap()
+    };
+    scaler.update().unwrap();
+    (model, burn_amp::host_reads() - reads)
+}
+
+/// f32 against AMP: a full training step of TinyLm, `Autodiff<B>` at f32 against
+/// `Amp<Autodiff<B>>` at `precision` (fused AdamW, scaler), side by side; and the host
+/// reads of one scaled step with the fused optimizer and with Burn's Adam.
+fn f32_vs_amp<P, A>(
+    iters: usize,
+    precision: Precision,
+    config: &TinyLmConfig,
+    batch: usize,
+) -> (Duration, Duration, u64, u64)
+where
+    P: AutodiffBackend,
+    A: AutodiffBackend<Device = P::Device>,
+    P::InnerBackend: burn_amp::kernels::AmpKernels,
+    A::InnerBackend: burn_amp::kernels::AmpKernels,
+{
+    use burn_amp::scaler::{FusedAdamWConfig, GradScalerConfig};
+    let device = Default::default();
+    let mut task = ReversalTask::new(config.vocab, config.seq_len, 5);
+    let batch_p = task.batch::<P>(batch, &device);
+    let batch_a = task.batch::<A>(batch, &device);
+    let mut model_p = Some(config.init::<P>(&device));
+    let mut model_a = Some(config.init::<A>(&device));
+    let mut scaler_p = GradScalerConfig::new()
+        .init::<P>(&device, Precision::F32)
+        .unwrap();
+    let mut scaler_a = GradScalerConfig::new()
+        .init::<A>(&device, precision)
+        .unwrap();
+    let (mut fused_p, mut fused_a) = (
+        FusedAdamWConfig::new().init::<P>(),
+        FusedAdamWConfig::new().init::<A>(),
+    );
+    let mut adam_p = burn::optim::AdamConfig::new().init::<P, burn_amp::demo::TinyLm<P>>();
+    let mut adam_a = burn::optim::AdamConfig::new().init::<A, burn_amp::demo::TinyLm<A>>();
+    let sync_p = |d: &P::Device| P::sync(d).unwrap();
+    let sync_a = |d: &A::Device| A::sync(d).unwrap();
+    let (t_p, t_a) = side_by_side(
+        iters,
+        || {
+            let _f32 = autocast(Precision::F32);
+            let (m, _) = scaled_step(
+                model_p.take().unwrap(),
+                &batch_p,
+                &mut scaler_p,
+                &mut fused_p,
+                &mut adam_p,
+                true,
+            );
+            model_p = Some(m);
+            sync_p(&device);
+        },
+        || {
+            let _amp = autocast(precision);
+            let (m, _) = scaled_step(
+                model_a.take().unwrap(),
+                &batch_a,
+                &mut scaler_a,
+                &mut fused_a,
+                &mut adam_a,
+                true,
+            );
+            model_a = Some(m);
+            sync_a(&device);
+        },
+    );
+    // Host reads at f16, where the scaler is active.
+    let _f16 = autocast(Precision::F16);
+    let mut scaler_16 = GradScalerConfig::new()
+        .init::<A>(&device, Precision::F16)
+        .unwrap();
+    let (m, fused_reads) = scaled_step(
+        model_a.take().unwrap(),
+        &batch_a,
+        &mut scaler_16,
+        &mut fused_a,
+        &mut adam_a,
+        true,
+    );
+    let (_, adam_reads) = scaled_step(
+        m,
+        &batch_a,
+        &mut scaler_16,
+        &mut fused_a,
+        &mut adam_a,
+        false,
+    );
+    (t_p, t_a, fused_reads, adam_reads)
+}
+
 fn main() {
     // `cargo bench` passes `--bench`; under `cargo test --all-targets` this runs as a quick
     // smoke test, so that the bench cannot rot.
@@ -198,6 +317,53 @@ fn main() {
         lm_p.as_secs_f64() * 1e3,
         lm_ratio
     );
+    let step_config = if quick {
+        TinyLmConfig::new().with_dropout(0.0)
+    } else {
+        TinyLmConfig::new()
+            .with_d_model(128)
+            .with_d_ff(256)
+            .with_seq_len(32)
+            .with_dropout(0.0)
+    };
+    let step_batch = if quick { 8 } else { 64 };
+    let flex = f32_vs_amp::<Autodiff<Flex>, Amp<Autodiff<Flex>>>(
+        iters.min(20),
+        Precision::Bf16,
+        &step_config,
+        step_batch,
+    );
+    #[cfg(feature = "cuda")]
+    let cuda = Some(f32_vs_amp::<
+        Autodiff<burn_cuda::Cuda>,
+        Amp<Autodiff<burn_cuda::Cuda>>,
+    >(
+        iters.min(20),
+        Precision::Bf16,
+        &TinyLmConfig::new()
+            .with_d_model(512)
+            .with_d_ff(2048)
+            .with_seq_len(128)
+            .with_n_layers(4)
+            .with_dropout(0.0),
+        256,
+    ));
+    #[cfg(not(feature = "cuda"))]
+    let cuda: Option<(Duration, Duration, u64, u64)> = None;
+    for (name, r) in [("Flex", Some(flex)), ("Cuda", cuda)] {
+        if let Some((t32, tamp, _, _)) = r {
+            println!(
+                "| TinyLm training step, {name}: Amp bf16 vs f32 (fused AdamW, scaler) | {:.3} ms | {:.3} ms | {:.3} | (speed-up needs a GPU) |",
+                tamp.as_secs_f64() * 1e3,
+                t32.as_secs_f64() * 1e3,
+                tamp.as_secs_f64() / t32.as_secs_f64()
+            );
+        }
+    }
+    println!(
+        "| host reads per f16 scaled step: fused AdamW / Burn's Adam | {} | {} | | 0 fused |",
+        flex.2, flex.3
+    );
     let memory_ratio = match (f16_peak, f32_peak) {
         (Some((f16, base16)), Some((f32, base32))) => {
             let ratio = f16 as f64 / f32 as f64;
@@ -220,9 +386,16 @@ fn main() {
         }
     };
     report::emit(&format!(
-        "{{\"bench\":\"autocast\",\"iterations\":{iters},\"overhead_mlp_ratio\":{mlp_ratio:.4},\"overhead_transformer_ratio\":{lm_ratio:.4},\"peak_memory_f16_over_f32\":{},\"peak_f16_bytes\":{},\"peak_f32_bytes\":{}}}",
+        "{{\"bench\":\"autocast\",\"iterations\":{iters},\"overhead_mlp_ratio\":{mlp_ratio:.4},\"overhead_transformer_ratio\":{lm_ratio:.4},\"peak_memory_f16_over_f32\":{},\"peak_f16_bytes\":{},\"peak_f32_bytes\":{},\"flex_step_amp_over_f32\":{:.4},\"cuda_step_amp_over_f32\":{},\"host_reads_fused\":{},\"host_reads_adam\":{}}}",
         memory_ratio.map_or("null".to_string(), |r| format!("{r:.4}")),
         f16_peak.map_or("null".to_string(), |p| p.0.to_string()),
         f32_peak.map_or("null".to_string(), |p| p.0.to_string()),
+        flex.1.as_secs_f64() / flex.0.as_secs_f64(),
+        cuda.map_or("null".to_string(), |c| format!(
+            "{:.4}",
+            c.1.as_secs_f64() / c.0.as_secs_f64()
+        )),
+        flex.2,
+        flex.3,
     ));
 }
