@@ -142,16 +142,24 @@ fn from_prim<B: Backend, const D: usize>(t: FloatTensor<B>) -> Tensor<B, D> {
     Tensor::from_primitive(TensorPrimitive::Float(t))
 }
 
-/// The scaler tensors, or their neutral values on `device`.
-fn scaling<B: Backend>(
-    inv_scale: Option<Tensor<B, 1>>,
-    found_inf: Option<Tensor<B, 1>>,
-    device: &B::Device,
-) -> (Tensor<B, 1>, Tensor<B, 1>) {
-    (
-        inv_scale.unwrap_or_else(|| Tensor::ones([1], device)),
-        found_inf.unwrap_or_else(|| Tensor::zeros([1], device)),
-    )
+/// The scaler's device tensors for one step: `(device, inv_scale, found_inf)`.
+type Scaling<B> = (
+    <B as burn::tensor::backend::BackendTypes>::Device,
+    Tensor<<B as AutodiffBackend>::InnerBackend, 1>,
+    Tensor<<B as AutodiffBackend>::InnerBackend, 1>,
+);
+
+/// The module's device and the scaler tensors (or their neutral values there); `None` for a
+/// module without parameters, which has nothing to step.
+fn scaling<B: AutodiffBackend, M: AutodiffModule<B>>(
+    module: &M,
+    inv_scale: Option<Tensor<B::InnerBackend, 1>>,
+    found_inf: Option<Tensor<B::InnerBackend, 1>>,
+) -> Option<Scaling<B>> {
+    let device = module.devices().into_iter().next()?;
+    let inv_scale = inv_scale.unwrap_or_else(|| Tensor::ones([1], &device));
+    let found_inf = found_inf.unwrap_or_else(|| Tensor::zeros([1], &device));
+    Some((device, inv_scale, found_inf))
 }
 
 /// Maps every parameter that has a gradient through `update(param, grad, id)`.
@@ -210,10 +218,9 @@ where
         inv_scale: Option<Tensor<B::InnerBackend, 1>>,
         found_inf: Option<Tensor<B::InnerBackend, 1>>,
     ) -> M {
-        let Some(device) = module.devices().into_iter().next() else {
+        let Some((device, inv_scale, found_inf)) = scaling(&module, inv_scale, found_inf) else {
             return module;
         };
-        let (inv_scale, found_inf) = scaling(inv_scale, found_inf, &device);
         // Count this step unless it is skipped: t += 1 - found_inf, on the device.
         let steps = self
             .steps
@@ -265,10 +272,9 @@ where
         inv_scale: Option<Tensor<B::InnerBackend, 1>>,
         found_inf: Option<Tensor<B::InnerBackend, 1>>,
     ) -> M {
-        let Some(device) = module.devices().into_iter().next() else {
+        let Some((_, inv_scale, found_inf)) = scaling(&module, inv_scale, found_inf) else {
             return module;
         };
-        let (inv_scale, found_inf) = scaling(inv_scale, found_inf, &device);
         let hyper = SgdHyper {
             lr: lr as f32,
             momentum: self.config.momentum,
