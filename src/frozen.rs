@@ -34,13 +34,12 @@ use burn::tensor::DType;
 use burn::tensor::backend::AutodiffBackend;
 use burn_std::FloatDType;
 
-use crate::Precision;
-
 /// A module whose parameters are frozen. See the [module docs](self).
 #[derive(Debug, Clone)]
 pub struct Frozen<M> {
     inner: M,
-    storage: Precision,
+    /// The dtype the parameters are stored in; `None`: the dtype they came with.
+    storage: Option<FloatDType>,
 }
 
 /// Freezes `module` in its current dtype: shorthand for [`Frozen::new`].
@@ -81,14 +80,6 @@ impl<B: Backend> ModuleMapper<B> for Thaw {
     }
 }
 
-fn storage_dtype(storage: Precision) -> Option<FloatDType> {
-    match storage {
-        // F32 storage keeps whatever the parameters are in (no cast).
-        Precision::F32 => None,
-        low => low.low_dtype(),
-    }
-}
-
 fn frozen<B: Backend, M: Module<B>>(module: M, dtype: Option<FloatDType>) -> M {
     module.map(&mut Freeze { dtype })
 }
@@ -101,28 +92,25 @@ impl<M> Frozen<M> {
     {
         Self {
             inner: frozen(module, None),
-            storage: Precision::F32,
+            storage: None,
         }
     }
 
-    /// Keeps the frozen parameters in `storage`: `Bf16` or `F16` halve their bytes; `F32`
-    /// casts half-precision ones back to f32.
-    pub fn with_storage<B: Backend>(self, storage: Precision) -> Self
+    /// Stores the frozen parameters in `dtype`: `BF16` or `F16` halve the bytes of f32
+    /// weights; `F32` casts half-precision ones back.
+    pub fn with_storage<B: Backend>(self, dtype: FloatDType) -> Self
     where
         M: Module<B>,
     {
-        let dtype = match storage {
-            Precision::F32 => Some(FloatDType::F32),
-            low => low.low_dtype(),
-        };
         Self {
-            inner: frozen(self.inner, dtype),
-            storage,
+            inner: frozen(self.inner, Some(dtype)),
+            storage: Some(dtype),
         }
     }
 
-    /// The storage precision (`F32`: the parameters' own dtype).
-    pub fn storage(&self) -> Precision {
+    /// The storage dtype set by [`with_storage`](Self::with_storage); `None`: the parameters'
+    /// own dtype.
+    pub fn storage(&self) -> Option<FloatDType> {
         self.storage
     }
 
@@ -193,7 +181,7 @@ impl<B: Backend, M: Module<B>> Module<B> for Frozen<M> {
     /// Loads the inner module's record, then freezes and casts to the storage dtype.
     fn load_record(self, record: Self::Record) -> Self {
         Self {
-            inner: frozen(self.inner.load_record(record), storage_dtype(self.storage)),
+            inner: frozen(self.inner.load_record(record), self.storage),
             storage: self.storage,
         }
     }

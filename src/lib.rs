@@ -7,8 +7,13 @@
 //!   attention; f32 for exp, log, softmax, reductions and norms; promotion for mixed dtypes).
 //!   The policy is one table: [`autocast::policy`].
 //! - [`Precision`] and [`autocast()`]: the per-thread precision, with a scoped override.
+//! - [`GradScaler`](scaler::GradScaler): dynamic loss scaling whose skip and update stay on
+//!   the device; `scaler.step(&mut optim, ..)` is the one call for every optimizer
+//!   ([`scaler::ScaledStep`]).
+//! - [`optim`]: fused AdamW and SGD (one kernel per parameter, no host read per step).
 //! - [`GradientAccumulation`]: any optimizer made to step once per N micro-batches, on
 //!   their mean (f32 sums), loss-scaling aware, resumable mid-window ([`accumulate`]).
+//! - [`grads::GradList`]: a module's gradients as one list (global norm, clipping, unscale).
 //! - [`Frozen`]: a module whose parameters take no gradient and no optimizer state, and can
 //!   be stored in bf16/f16, while the gradient flows through it ([`frozen`]).
 //!
@@ -24,11 +29,12 @@
 
 pub mod accumulate;
 pub mod autocast;
-pub mod demo;
 pub mod error;
 pub mod frozen;
+pub mod grads;
 pub mod kernels;
 pub mod memory;
+pub mod optim;
 pub mod precision;
 pub mod scaler;
 
@@ -36,4 +42,5 @@ pub use accumulate::{GradientAccumulation, GradientAccumulationConfig, Reduction
 pub use autocast::{Amp, host_reads};
 pub use error::AmpError;
 pub use frozen::{Frozen, freeze};
+pub use kernels::AmpKernels;
 pub use precision::{AutocastGuard, Precision, autocast};

@@ -2,17 +2,17 @@
 //! Burn's sum; missing and frozen parameters; the scaler skips an overflowing window once;
 //! misuse is a typed error; a run stopped mid-window resumes bit for bit.
 
+mod common;
+
 use std::collections::HashSet;
 
 use burn::backend::{Autodiff, Flex};
 use burn::lr_scheduler::LrScheduler;
 use burn::lr_scheduler::exponential::ExponentialLrSchedulerConfig;
 use burn::module::{Module, ModuleMapper, ModuleVisitor, Param, ParamId};
-use burn::nn::loss::CrossEntropyLossConfig;
 use burn::nn::{Linear, LinearConfig};
 use burn::optim::{AdamConfig, GradientsAccumulator, GradientsParams, Optimizer, SgdConfig};
 use burn::prelude::*;
-use burn::record::{BinBytesRecorder, FullPrecisionSettings, Record, Recorder};
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::{DType, FloatDType};
 use burn::train::{InferenceStep, Learner, TrainOutput, TrainStep};
@@ -20,8 +20,13 @@ use burn_amp::accumulate::{
     AccumulationError, GradientAccumulation, GradientAccumulationConfig, Reduction,
     WindowedLrScheduler,
 };
-use burn_amp::scaler::{FusedAdamWConfig, GradScaler, GradScalerConfig, GradScalerRecord, Stage};
+use burn_amp::optim::FusedAdamWConfig;
+use burn_amp::scaler::{
+    GradScaler, GradScalerConfig, GradScalerRecord, ScaledStep, ScalerError, Stage,
+};
 use burn_amp::{Amp, Precision, autocast};
+use common::big_stack;
+use common::models::Mlp;
 
 type F = Autodiff<Flex>;
 type A = Amp<Autodiff<Flex>>;
@@ -29,33 +34,21 @@ type A = Amp<Autodiff<Flex>>;
 const FEATURES: usize = 8;
 const CLASSES: usize = 4;
 
-/// A plain chain with batch-independent layers (no tensor feeding several consumers, so
-/// autodiff's order of accumulation is fixed), and a mean-reduced loss.
-#[derive(Module, Debug)]
-struct Mlp<B: Backend> {
-    l1: Linear<B>,
-    l2: Linear<B>,
+/// The loss of one `(x, y)` batch. The shared `Mlp` is a plain chain with batch-independent
+/// layers (no tensor feeding several consumers, so autodiff's order of accumulation is
+/// fixed), and its loss is mean-reduced.
+trait BatchLoss<B: Backend> {
+    fn batch_loss(&self, batch: (Tensor<B, 2>, Tensor<B, 1, Int>)) -> Tensor<B, 1>;
 }
 
-impl<B: Backend> Mlp<B> {
-    fn new(device: &B::Device) -> Self {
-        let m = Self {
-            l1: LinearConfig::new(FEATURES, 32).init(device),
-            l2: LinearConfig::new(32, CLASSES).init(device),
-        };
-        // Burn initialises parameters lazily, per clone: give them their values once.
-        let record = m.clone().into_record();
-        m.load_record(record)
+impl<B: Backend> BatchLoss<B> for Mlp<B> {
+    fn batch_loss(&self, (x, y): (Tensor<B, 2>, Tensor<B, 1, Int>)) -> Tensor<B, 1> {
+        self.loss(x, y)
     }
+}
 
-    fn loss(&self, (x, y): (Tensor<B, 2>, Tensor<B, 1, Int>)) -> Tensor<B, 1> {
-        let logits = self
-            .l2
-            .forward(burn::tensor::activation::gelu(self.l1.forward(x)));
-        CrossEntropyLossConfig::new()
-            .init(&logits.device())
-            .forward(logits, y)
-    }
+fn mlp<B: Backend>(device: &B::Device) -> Mlp<B> {
+    Mlp::new(FEATURES, 32, CLASSES, device)
 }
 
 /// Host data, fixed by `(seed, rows)`: features in [-1, 1), the class is the argmax of the
@@ -163,13 +156,13 @@ where
 {
     let device = Default::default();
     B::seed(&device, 7);
-    let init = Mlp::<B>::new(&device);
+    let init = mlp::<B>(&device);
 
     let mut optim = make();
     let mut one = init.clone();
     for step in 0..3 {
         let grads =
-            GradientsParams::from_grads(one.loss(big(step, N, MICRO, &device)).backward(), &one);
+            GradientsParams::from_grads(one.batch_loss(big(step, N, MICRO, &device)).backward(), &one);
         one = optim.step(lr, one, grads);
     }
 
@@ -178,7 +171,7 @@ where
     for step in 0..3 {
         for i in 0..N {
             let grads = GradientsParams::from_grads(
-                many.loss(micro(step, i, MICRO, &device)).backward(),
+                many.batch_loss(micro(step, i, MICRO, &device)).backward(),
                 &many,
             );
             many = accum.step(lr, many, grads);
@@ -225,7 +218,7 @@ fn mean_of_micro_batches_is_one_big_batch_under_amp() {
 fn sum_reduction_is_burns_gradients_accumulator() {
     let device = Default::default();
     F::seed(&device, 8);
-    let init = Mlp::<F>::new(&device);
+    let init = mlp::<F>(&device);
 
     let mut reference = init.clone();
     let mut optim = SgdConfig::new().init::<F, Mlp<F>>();
@@ -233,7 +226,7 @@ fn sum_reduction_is_burns_gradients_accumulator() {
         let mut acc = GradientsAccumulator::new();
         for i in 0..N {
             let grads = GradientsParams::from_grads(
-                reference.loss(micro(step, i, MICRO, &device)).backward(),
+                reference.batch_loss(micro(step, i, MICRO, &device)).backward(),
                 &reference,
             );
             acc.accumulate(&reference, grads);
@@ -249,7 +242,7 @@ fn sum_reduction_is_burns_gradients_accumulator() {
     for step in 0..2 {
         for i in 0..N {
             let grads = GradientsParams::from_grads(
-                model.loss(micro(step, i, MICRO, &device)).backward(),
+                model.batch_loss(micro(step, i, MICRO, &device)).backward(),
                 &model,
             );
             model = accum.step(0.1, model, grads);
@@ -263,15 +256,15 @@ fn sum_reduction_is_burns_gradients_accumulator() {
 }
 
 #[test]
-fn zero_steps_and_bad_clipping_are_errors() {
+fn zero_micro_batches_and_bad_clipping_are_errors() {
     let sgd = || SgdConfig::new().init::<F, Mlp<F>>();
     assert!(matches!(
         GradientAccumulationConfig::new(0).init::<F, _>(sgd()),
-        Err(AccumulationError::ZeroSteps)
+        Err(AccumulationError::ZeroMicroBatches)
     ));
     assert!(matches!(
         GradientAccumulation::<_, F>::new(sgd(), 0),
-        Err(AccumulationError::ZeroSteps)
+        Err(AccumulationError::ZeroMicroBatches)
     ));
     for bad in [0.0, -1.0, f32::NAN, f32::INFINITY] {
         assert!(matches!(
@@ -284,16 +277,16 @@ fn zero_steps_and_bad_clipping_are_errors() {
     let scheduler = ExponentialLrSchedulerConfig::new(1.0, 0.5).init().unwrap();
     assert!(matches!(
         WindowedLrScheduler::new(scheduler, 0),
-        Err(AccumulationError::ZeroSteps)
+        Err(AccumulationError::ZeroMicroBatches)
     ));
-    let msg = AccumulationError::ZeroSteps.to_string();
-    assert!(msg.contains("steps >= 1"), "{msg}");
+    let msg = AccumulationError::ZeroMicroBatches.to_string();
+    assert!(msg.contains("micro_batches >= 1"), "{msg}");
 }
 
 #[test]
 fn mid_window_steps_leave_the_module_untouched_and_counters_follow() {
     let device = Default::default();
-    let mut model = Mlp::<F>::new(&device);
+    let mut model = mlp::<F>(&device);
     let mut accum = GradientAccumulation::new(SgdConfig::new().init::<F, Mlp<F>>(), 3).unwrap();
     let mut seen = Vec::new();
     for step in 0..2 {
@@ -305,7 +298,7 @@ fn mid_window_steps_leave_the_module_untouched_and_counters_follow() {
                 accum.optimizer_steps(),
             ));
             let grads = GradientsParams::from_grads(
-                model.loss(micro(step, i, MICRO, &device)).backward(),
+                model.batch_loss(micro(step, i, MICRO, &device)).backward(),
                 &model,
             );
             model = accum.step(0.1, model, grads);
@@ -464,14 +457,14 @@ fn half_precision_gradients_are_summed_in_f32() {
 fn a_param_frozen_mid_window_drops_its_partial_sum() {
     let device = Default::default();
     F::seed(&device, 10);
-    let init = Mlp::<F>::new(&device);
+    let init = mlp::<F>(&device);
 
     // Reference: nothing frozen.
     let mut reference = init.clone();
     let mut accum = GradientAccumulation::new(AdamConfig::new().init::<F, Mlp<F>>(), N).unwrap();
     for i in 0..N {
         let grads = GradientsParams::from_grads(
-            reference.loss(micro(0, i, MICRO, &device)).backward(),
+            reference.batch_loss(micro(0, i, MICRO, &device)).backward(),
             &reference,
         );
         reference = accum.step(1e-2, reference, grads);
@@ -485,7 +478,7 @@ fn a_param_frozen_mid_window_drops_its_partial_sum() {
             model.l1 = model.l1.no_grad();
         }
         let grads =
-            GradientsParams::from_grads(model.loss(micro(0, i, MICRO, &device)).backward(), &model);
+            GradientsParams::from_grads(model.batch_loss(micro(0, i, MICRO, &device)).backward(), &model);
         model = accum.step(1e-2, model, grads);
     }
     assert_eq!(
@@ -506,7 +499,7 @@ fn a_param_frozen_mid_window_drops_its_partial_sum() {
 fn clipping_bounds_the_global_norm_of_the_window() {
     let device = Default::default();
     F::seed(&device, 11);
-    let init = Mlp::<F>::new(&device);
+    let init = mlp::<F>(&device);
     let max_norm = 0.01;
     let mut accum = GradientAccumulationConfig::new(N)
         .with_max_grad_norm(Some(max_norm))
@@ -515,7 +508,7 @@ fn clipping_bounds_the_global_norm_of_the_window() {
     let mut model = init.clone();
     for i in 0..N {
         let grads =
-            GradientsParams::from_grads(model.loss(micro(0, i, MICRO, &device)).backward(), &model);
+            GradientsParams::from_grads(model.batch_loss(micro(0, i, MICRO, &device)).backward(), &model);
         model = accum.step(1.0, model, grads);
     }
     // SGD with lr 1: the update is the clipped gradient.
@@ -576,7 +569,7 @@ fn scaled_grads(
     i: usize,
     poison: bool,
 ) -> GradientsParams {
-    let loss = model.loss(micro(step, i, MICRO, &Default::default()));
+    let loss = model.batch_loss(micro(step, i, MICRO, &Default::default()));
     let mut grads = GradientsParams::from_grads(scaler.scale(loss).backward(), model);
     if poison {
         let id = model.l2.weight.id;
@@ -592,10 +585,10 @@ fn overflow_skips_the_window_once(fused: bool) {
         let device = Default::default();
         let _g = autocast(Precision::F16);
         A::seed(&device, 12);
-        let mut model = Mlp::<A>::new(&device);
+        let mut model = mlp::<A>(&device);
         let mut scaler = scaler(1024.0, 1000);
-        let mut accum_fused =
-            GradientAccumulation::new(FusedAdamWConfig::new().init::<A>(), N).unwrap();
+        let fused_adamw = FusedAdamWConfig::new().init::<A, Mlp<A>>().unwrap();
+        let mut accum_fused = GradientAccumulation::new(fused_adamw, N).unwrap();
         let mut accum =
             GradientAccumulation::new(AdamConfig::new().init::<A, Mlp<A>>(), N).unwrap();
         let mut skipped = Vec::new();
@@ -605,22 +598,19 @@ fn overflow_skips_the_window_once(fused: bool) {
             for i in 0..N {
                 let grads = scaled_grads(&model, &scaler, window, i, window == 1 && i == 2);
                 let (m, report) = if fused {
-                    accum_fused
-                        .step_scaled_fused(&mut scaler, 1e-2, model, grads)
-                        .unwrap()
+                    scaler.step(&mut accum_fused, 1e-2, model, grads).unwrap()
                 } else {
-                    accum.step_scaled(&mut scaler, 1e-2, model, grads).unwrap()
+                    scaler.step(&mut accum, 1e-2, model, grads).unwrap()
                 };
                 model = m;
+                scaler.update().unwrap();
                 assert_eq!(
-                    report.is_some(),
+                    !report.accumulated(),
                     i == N - 1,
-                    "a report only at the boundary"
+                    "an optimizer step only at the boundary"
                 );
                 assert_eq!(scaler.stage(), Stage::Ready);
-                if let Some(report) = report
-                    && report.skipped()
-                {
+                if !report.accumulated() && report.skipped() {
                     skipped.push(window);
                 }
             }
@@ -656,7 +646,7 @@ fn scaled_windows_unscale_before_clipping() {
         let device = Default::default();
         let _g = autocast(Precision::F16);
         A::seed(&device, 13);
-        let init = Mlp::<A>::new(&device);
+        let init = mlp::<A>(&device);
         let mut model = init.clone();
         let mut scaler = scaler(1024.0, 1000);
         let max_norm = 0.01;
@@ -666,7 +656,8 @@ fn scaled_windows_unscale_before_clipping() {
             .unwrap();
         for i in 0..N {
             let grads = scaled_grads(&model, &scaler, 0, i, false);
-            model = accum.step_scaled(&mut scaler, 1.0, model, grads).unwrap().0;
+            model = scaler.step(&mut accum, 1.0, model, grads).unwrap().0;
+            scaler.update().unwrap();
         }
         let norm = params(&model)
             .iter()
@@ -684,30 +675,28 @@ fn touching_the_scaler_mid_window_is_a_typed_error() {
     big_stack(|| {
         let device = Default::default();
         let _g = autocast(Precision::F16);
-        let mut model = Mlp::<A>::new(&device);
+        let mut model = mlp::<A>(&device);
         let mut scaler = scaler(1024.0, 1000);
         let mut accum =
             GradientAccumulation::new(AdamConfig::new().init::<A, Mlp<A>>(), N).unwrap();
 
         let grads = scaled_grads(&model, &scaler, 0, 0, false);
-        model = accum
-            .step_scaled(&mut scaler, 1e-2, model, grads)
-            .unwrap()
-            .0;
+        model = scaler.step(&mut accum, 1e-2, model, grads).unwrap().0;
+        scaler.update().unwrap();
 
         // unscale() mid-window.
         let mut grads = scaled_grads(&model, &scaler, 0, 1, false);
         let mut probe = scaler.clone();
         probe.unscale(&model, &mut grads).unwrap();
-        let err = accum
-            .step_scaled(&mut probe, 1e-2, model.clone(), grads)
+        let err = probe
+            .step(&mut accum, 1e-2, model.clone(), grads)
             .map(|_| ())
             .unwrap_err();
         assert_eq!(
             err,
-            AccumulationError::ScalerNotReady {
+            ScalerError::Accumulation(AccumulationError::ScalerNotReady {
                 stage: Stage::Unscaled
-            }
+            })
         );
 
         // A whole step + update elsewhere mid-window: the scale may have changed.
@@ -717,13 +706,13 @@ fn touching_the_scaler_mid_window_is_a_typed_error() {
         let (m, _) = probe.step(&mut other, 1e-2, model.clone(), grads).unwrap();
         probe.update().unwrap();
         let grads = scaled_grads(&m, &probe, 0, 1, false);
-        let err = accum
-            .step_scaled(&mut probe, 1e-2, model.clone(), grads)
+        let err = probe
+            .step(&mut accum, 1e-2, model.clone(), grads)
             .map(|_| ())
             .unwrap_err();
         assert_eq!(
             err,
-            AccumulationError::ScaleChangedMidWindow { micro_step: 1 }
+            ScalerError::Accumulation(AccumulationError::ScaleChangedMidWindow { micro_step: 1 })
         );
         assert!(err.to_string().contains("discard_window"));
 
@@ -742,18 +731,17 @@ fn touching_the_scaler_mid_window_is_a_typed_error() {
         assert_eq!(accum.micro_step(), 1);
         for i in 1..N {
             let grads = scaled_grads(&model, &scaler, 0, i, false);
-            let (m, report) = accum.step_scaled(&mut scaler, 1e-2, model, grads).unwrap();
+            let (m, report) = scaler.step(&mut accum, 1e-2, model, grads).unwrap();
             model = m;
-            assert_eq!(report.is_some(), i == N - 1);
+            scaler.update().unwrap();
+            assert_eq!(!report.accumulated(), i == N - 1);
         }
         assert_eq!(accum.optimizer_steps(), 1);
 
         // And a discarded window starts over.
         let grads = scaled_grads(&model, &scaler, 1, 0, false);
-        model = accum
-            .step_scaled(&mut scaler, 1e-2, model, grads)
-            .unwrap()
-            .0;
+        model = scaler.step(&mut accum, 1e-2, model, grads).unwrap().0;
+        scaler.update().unwrap();
         accum.discard_window();
         assert_eq!((accum.micro_step(), accum.buffer_bytes()), (0, 0));
         let grads = scaled_grads(&model, &scaler, 1, 0, false);
@@ -762,18 +750,6 @@ fn touching_the_scaler_mid_window_is_a_typed_error() {
 }
 
 // ---------------------------------------------------------------- save and resume
-
-fn save<R: Record<B>, B: Backend>(record: R) -> Vec<u8> {
-    BinBytesRecorder::<FullPrecisionSettings>::default()
-        .record(record, ())
-        .unwrap()
-}
-
-fn load<R: Record<B>, B: Backend>(bytes: Vec<u8>) -> R {
-    BinBytesRecorder::<FullPrecisionSettings>::default()
-        .load(bytes, &Default::default())
-        .unwrap()
-}
 
 const WINDOWS: usize = 3;
 
@@ -786,7 +762,7 @@ fn run_plain(
     let device = Default::default();
     for k in range {
         let grads = GradientsParams::from_grads(
-            model.loss(micro(k / N, k % N, MICRO, &device)).backward(),
+            model.batch_loss(micro(k / N, k % N, MICRO, &device)).backward(),
             &model,
         );
         model = accum.step(1e-2, model, grads);
@@ -798,7 +774,7 @@ fn run_plain(
 fn resume_after_micro_step_k_is_bit_identical() {
     let device = Default::default();
     F::seed(&device, 14);
-    let init = Mlp::<F>::new(&device);
+    let init = mlp::<F>(&device);
     let make = || GradientAccumulation::new(AdamConfig::new().init::<F, Mlp<F>>(), N).unwrap();
     let total = WINDOWS * N;
 
@@ -808,11 +784,11 @@ fn resume_after_micro_step_k_is_bit_identical() {
     for stop in [1, N + 2, 2 * N - 1] {
         let mut accum = make();
         let half = run_plain(init.clone(), &mut accum, 0..stop);
-        let model_bytes = save::<_, F>(half.into_record());
-        let accum_bytes = save::<_, F>(Optimizer::<Mlp<F>, F>::to_record(&accum));
+        let model_bytes = common::save::<F, _>(half.into_record());
+        let accum_bytes = common::save::<F, _>(Optimizer::<Mlp<F>, F>::to_record(&accum));
 
-        let model = Mlp::<F>::new(&device).load_record(load::<_, F>(model_bytes));
-        let mut accum = Optimizer::<Mlp<F>, F>::load_record(make(), load::<_, F>(accum_bytes));
+        let model = mlp::<F>(&device).load_record(common::load::<F, _>(model_bytes, &device));
+        let mut accum = Optimizer::<Mlp<F>, F>::load_record(make(), common::load::<F, _>(accum_bytes, &device));
         assert_eq!(accum.micro_step(), stop % N);
         let resumed = run_plain(model, &mut accum, stop..total);
         assert_eq!(
@@ -825,15 +801,16 @@ fn resume_after_micro_step_k_is_bit_identical() {
 }
 
 /// Micro-steps `range` of f16 loss-scaled training; micro-step 5 (window 1) overflows.
-fn run_scaled(
+fn run_scaled<O: ScaledStep<Mlp<A>, A>>(
     mut model: Mlp<A>,
     scaler: &mut GradScaler<A>,
-    accum: &mut GradientAccumulation<impl Optimizer<Mlp<A>, A>, A>,
+    accum: &mut GradientAccumulation<O, A>,
     range: std::ops::Range<usize>,
 ) -> Mlp<A> {
     for k in range {
         let grads = scaled_grads(&model, scaler, k / N, k % N, k == 5);
-        model = accum.step_scaled(scaler, 1e-2, model, grads).unwrap().0;
+        model = scaler.step(accum, 1e-2, model, grads).unwrap().0;
+        scaler.update().unwrap();
     }
     model
 }
@@ -844,7 +821,7 @@ fn resume_after_micro_step_k_is_bit_identical_scaled() {
         let device = Default::default();
         let _g = autocast(Precision::F16);
         A::seed(&device, 15);
-        let init = Mlp::<A>::new(&device);
+        let init = mlp::<A>(&device);
         let make = || GradientAccumulation::new(AdamConfig::new().init::<A, Mlp<A>>(), N).unwrap();
         let total = WINDOWS * N;
 
@@ -860,13 +837,13 @@ fn resume_after_micro_step_k_is_bit_identical_scaled() {
             let mut scaler_b = scaler(1024.0, 1);
             let mut accum = make();
             let half = run_scaled(init.clone(), &mut scaler_b, &mut accum, 0..stop);
-            let model_bytes = save::<_, A>(half.into_record());
-            let accum_bytes = save::<_, A>(Optimizer::<Mlp<A>, A>::to_record(&accum));
-            let scaler_bytes = save::<_, A>(scaler_b.record());
+            let model_bytes = common::save::<A, _>(half.into_record());
+            let accum_bytes = common::save::<A, _>(Optimizer::<Mlp<A>, A>::to_record(&accum));
+            let scaler_bytes = common::save::<A, _>(scaler_b.record());
 
-            let model = Mlp::<A>::new(&device).load_record(load::<_, A>(model_bytes));
-            let mut accum = Optimizer::<Mlp<A>, A>::load_record(make(), load::<_, A>(accum_bytes));
-            let scaler_record: GradScalerRecord = load::<_, A>(scaler_bytes);
+            let model = mlp::<A>(&device).load_record(common::load::<A, _>(model_bytes, &device));
+            let mut accum = Optimizer::<Mlp<A>, A>::load_record(make(), common::load::<A, _>(accum_bytes, &device));
+            let scaler_record: GradScalerRecord = common::load::<A, _>(scaler_bytes, &device);
             let mut scaler_b = scaler(1024.0, 1).load_record(scaler_record);
             let resumed = run_scaled(model, &mut scaler_b, &mut accum, stop..total);
             assert_eq!(
@@ -876,6 +853,46 @@ fn resume_after_micro_step_k_is_bit_identical_scaled() {
             );
             assert_eq!(scaler_b.record(), straight_scaler);
         }
+    });
+}
+
+/// A partial window remembers the loss scale its sums carry: resumed beside a scaler of
+/// another scale it refuses the micro-step (nothing accumulated, nothing lost) instead of
+/// summing gradients of two scales.
+#[test]
+fn a_resumed_window_refuses_another_scale() {
+    big_stack(|| {
+        let device = Default::default();
+        let _g = autocast(Precision::F16);
+        A::seed(&device, 18);
+        let init = mlp::<A>(&device);
+        let make = || GradientAccumulation::new(AdamConfig::new().init::<A, Mlp<A>>(), N).unwrap();
+        let mut scaler_a = scaler(1024.0, 1000);
+        let mut accum = make();
+        let model = run_scaled(init, &mut scaler_a, &mut accum, 0..2);
+        let record = Optimizer::<Mlp<A>, A>::to_record(&accum);
+        assert_eq!(record.window_scale, Some(1024.0));
+        let bytes = common::save::<A, _>(record);
+
+        let mut resumed = Optimizer::<Mlp<A>, A>::load_record(make(), common::load::<A, _>(bytes, &device));
+        let mut other = scaler(2048.0, 1000);
+        let grads = scaled_grads(&model, &other, 0, 2, false);
+        let err = other
+            .step(&mut resumed, 1e-2, model.clone(), grads)
+            .map(|_| ())
+            .unwrap_err();
+        assert_eq!(
+            err,
+            ScalerError::Accumulation(AccumulationError::WindowScaleMismatch {
+                window_scale: 1024.0,
+                scaler_scale: 2048.0
+            })
+        );
+        assert_eq!(resumed.micro_step(), 2, "the refused micro-step added nothing");
+        // With the scaler it was saved beside, the window goes on.
+        let model = run_scaled(model, &mut scaler_a, &mut resumed, 2..N);
+        assert_eq!(resumed.optimizer_steps(), 1);
+        let _ = model;
     });
 }
 
@@ -891,8 +908,8 @@ fn a_record_of_another_window_size_is_refused() {
     assert!(matches!(
         err,
         AccumulationError::RecordMismatch {
-            saved_steps: 4,
-            steps: 2,
+            saved_micro_batches: 4,
+            micro_batches: 2,
             ..
         }
     ));
@@ -907,7 +924,7 @@ impl TrainStep for Mlp<F> {
     type Output = ();
 
     fn step(&self, item: Item<F>) -> TrainOutput<()> {
-        TrainOutput::new(self, self.loss(item).backward(), ())
+        TrainOutput::new(self, self.batch_loss(item).backward(), ())
     }
 }
 
@@ -938,7 +955,7 @@ fn learner_run<LR: LrScheduler + 'static>(init: Mlp<F>, scheduler: LR, windows: 
 fn under_learner_the_windowed_scheduler_counts_optimizer_steps() {
     let device = Default::default();
     F::seed(&device, 16);
-    let init = Mlp::<F>::new(&device);
+    let init = mlp::<F>(&device);
     let schedule = || ExponentialLrSchedulerConfig::new(0.5, 0.5).init().unwrap();
 
     // Reference: batches of N·b, the schedule stepped once per optimizer step.
@@ -947,7 +964,7 @@ fn under_learner_the_windowed_scheduler_counts_optimizer_steps() {
     let mut scheduler = schedule();
     for step in 0..3 {
         let grads = GradientsParams::from_grads(
-            reference.loss(big(step, N, MICRO, &device)).backward(),
+            reference.batch_loss(big(step, N, MICRO, &device)).backward(),
             &reference,
         );
         reference = sgd.step(scheduler.step(), reference, grads);
@@ -968,14 +985,4 @@ fn under_learner_the_windowed_scheduler_counts_optimizer_steps() {
     let bare = learner_run(init, schedule(), 3);
     let off = max_abs_diff(&params(&bare), &params(&reference));
     assert!(off > 1e-3, "the bare schedule should drift: {off}");
-}
-
-/// Runs `f` on a thread with a large stack: debug builds of deep burn calls need it.
-fn big_stack<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> T {
-    std::thread::Builder::new()
-        .stack_size(64 << 20)
-        .spawn(f)
-        .unwrap()
-        .join()
-        .unwrap_or_else(|e| std::panic::resume_unwind(e))
 }

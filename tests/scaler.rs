@@ -7,14 +7,12 @@ use burn::backend::{Autodiff, Flex};
 use burn::module::{Module, ParamId};
 use burn::optim::{AdamConfig, GradientsParams, Optimizer};
 use burn::prelude::*;
-use burn::record::{BinBytesRecorder, FullPrecisionSettings, Recorder};
 use burn::tensor::backend::AutodiffBackend;
-use burn_amp::demo::{ReversalTask, TinyLm, TinyLmConfig};
-use burn_amp::scaler::{
-    FusedAdamW, FusedAdamWConfig, FusedSgdConfig, GradScaler, GradScalerConfig, GradScalerRecord,
-    ScalerError, Stage,
-};
+use burn_amp::optim::{FusedAdamW, FusedAdamWConfig, FusedSgdConfig, ScaledAdaptor};
+use burn_amp::scaler::{GradScaler, GradScalerConfig, GradScalerRecord, ScalerError, Stage};
 use burn_amp::{Amp, Precision, autocast, host_reads};
+use common::models::Mlp;
+use common::tiny_lm::{ReversalTask, TinyLm, TinyLmConfig};
 
 type B = Amp<Autodiff<Flex>>;
 type Inner = <B as AutodiffBackend>::InnerBackend;
@@ -145,11 +143,27 @@ struct HostScaler {
     scale: f32,
     tracker: u32,
     hysteresis_left: u32,
+    floor_overflows: u32,
 }
 
 impl HostScaler {
+    fn new(c: &GradScalerConfig) -> Self {
+        Self {
+            scale: c.init_scale,
+            tracker: 0,
+            hysteresis_left: c.hysteresis,
+            floor_overflows: 0,
+        }
+    }
+
     fn step(&mut self, overflow: bool, c: &GradScalerConfig) {
         if overflow {
+            // Overflows in a row with the scale already at the floor.
+            self.floor_overflows = if self.scale <= c.min_scale {
+                self.floor_overflows + 1
+            } else {
+                0
+            };
             self.tracker = 0;
             if self.hysteresis_left <= 1 {
                 self.scale = (self.scale * c.backoff_factor).max(c.min_scale);
@@ -157,14 +171,38 @@ impl HostScaler {
                 self.hysteresis_left -= 1;
             }
         } else {
+            self.floor_overflows = 0;
             self.tracker += 1;
             if self.tracker >= c.growth_interval {
-                self.scale = (self.scale * c.growth_factor).min(c.max_scale);
+                // A growth past max_scale (or to inf) is refused, as PyTorch refuses a
+                // non-finite one: the scale stays a power of two.
+                let grown = self.scale * c.growth_factor;
+                if grown <= c.max_scale {
+                    self.scale = grown;
+                }
                 self.tracker = 0;
                 self.hysteresis_left = c.hysteresis;
             }
         }
     }
+
+    fn as_record(&self) -> (f32, u32, u32, u32) {
+        (
+            self.scale,
+            self.tracker,
+            self.hysteresis_left,
+            self.floor_overflows,
+        )
+    }
+}
+
+fn as_tuple(r: &GradScalerRecord) -> (f32, u32, u32, u32) {
+    (
+        r.scale,
+        r.growth_tracker as u32,
+        r.hysteresis_left as u32,
+        r.floor_overflows as u32,
+    )
 }
 
 /// Multiplies one parameter's gradient by NaN or inf.
@@ -178,28 +216,16 @@ fn poison(grads: &mut GradientsParams, id: ParamId, value: f32) {
     grads.register::<Inner, 2>(id, g.slice_assign([0..1, 0..1], bad));
 }
 
-fn trajectory(hysteresis: u32) {
+/// Runs `script` (true: the step's gradients overflow) and checks the device state against
+/// the host model after every update.
+fn follow_script(config: &GradScalerConfig, script: &[bool]) -> GradScalerRecord {
     let device = Default::default();
-    let config = GradScalerConfig::new()
-        .with_init_scale(1024.0)
-        .with_growth_interval(3)
-        .with_hysteresis(hysteresis)
-        .with_min_scale(64.0)
-        .with_max_scale(4096.0);
-    let script = [
-        false, true, false, false, false, false, false, false, true, true, true, true, true, true,
-        false, false, false, false, false, false, false, false, false, false, false, true,
-    ];
     let (mut model, _) = model_and_grads(&device);
     let mut scaler = config.init::<B>(&device, Precision::F16).unwrap();
-    let mut optim = FusedSgdConfig::new().init::<B>();
-    let mut host = HostScaler {
-        scale: 1024.0,
-        tracker: 0,
-        hysteresis_left: hysteresis,
-    };
+    let mut optim = FusedSgdConfig::new().init::<B, TinyLm<B>>().unwrap();
+    let mut host = HostScaler::new(config);
     let head = model.head.weight.id;
-    for (i, overflow) in script.into_iter().enumerate() {
+    for (i, &overflow) in script.iter().enumerate() {
         let mut grads = grads_of(&model);
         if overflow {
             poison(
@@ -212,22 +238,32 @@ fn trajectory(hysteresis: u32) {
                 },
             );
         }
-        let (m, report) = scaler.step_fused(&mut optim, 1e-3, model, grads).unwrap();
+        let (m, report) = scaler.step(&mut optim, 1e-3, model, grads).unwrap();
         model = m;
         assert_eq!(report.skipped(), overflow, "step {i}");
         scaler.update().unwrap();
-        host.step(overflow, &config);
-        let record = scaler.record();
+        host.step(overflow, config);
         assert_eq!(
-            (
-                record.scale,
-                record.growth_tracker as u32,
-                record.hysteresis_left as u32
-            ),
-            (host.scale, host.tracker, host.hysteresis_left),
-            "step {i} (hysteresis {hysteresis})"
+            as_tuple(&scaler.record()),
+            host.as_record(),
+            "step {i} ({config:?})"
         );
     }
+    scaler.record()
+}
+
+fn trajectory(hysteresis: u32) {
+    let config = GradScalerConfig::new()
+        .with_init_scale(1024.0)
+        .with_growth_interval(3)
+        .with_hysteresis(hysteresis)
+        .with_min_scale(64.0)
+        .with_max_scale(4096.0);
+    let script = [
+        false, true, false, false, false, false, false, false, true, true, true, true, true, true,
+        false, false, false, false, false, false, false, false, false, false, false, true,
+    ];
+    follow_script(&config, &script);
 }
 
 #[test]
@@ -240,6 +276,38 @@ fn scale_trajectory_with_hysteresis() {
     trajectory(3);
 }
 
+/// A growth past `max_scale` is refused: the scale stays where it was (a power of two),
+/// instead of being clamped to `max_scale` (which 3000 and `f32::MAX` are not).
+#[test]
+fn growth_past_max_scale_keeps_the_scale() {
+    let config = GradScalerConfig::new()
+        .with_init_scale(1024.0)
+        .with_growth_interval(1)
+        .with_max_scale(3000.0);
+    let end = follow_script(&config, &[false; 4]);
+    assert_eq!(end.scale, 2048.0, "1024 -> 2048, then 4096 > 3000 is refused");
+
+    // The default ceiling only refuses an infinite scale, as PyTorch does.
+    let config = GradScalerConfig::new()
+        .with_init_scale(2f32.powi(127))
+        .with_growth_interval(1);
+    let end = follow_script(&config, &[false; 2]);
+    assert_eq!(end.scale, 2f32.powi(127), "2^128 is inf: refused, not f32::MAX");
+}
+
+/// `floor_overflows` counts overflows in a row at the floor: a clean step in between resets
+/// it, so an occasional overflow at the floor never adds up to a false alarm.
+#[test]
+fn floor_overflows_count_only_overflows_in_a_row() {
+    let config = GradScalerConfig::new()
+        .with_init_scale(1.0)
+        .with_min_scale(1.0)
+        .with_max_floor_overflows(3);
+    let script = [true, true, false, true, true, false, true];
+    let end = follow_script(&config, &script);
+    assert_eq!(end.floor_overflows, 1.0);
+}
+
 #[test]
 fn stuck_at_the_floor_is_reported() {
     let device = Default::default();
@@ -249,12 +317,12 @@ fn stuck_at_the_floor_is_reported() {
         .with_max_floor_overflows(3);
     let (mut model, _) = model_and_grads(&device);
     let mut scaler = config.init::<B>(&device, Precision::F16).unwrap();
-    let mut optim = FusedSgdConfig::new().init::<B>();
+    let mut optim = FusedSgdConfig::new().init::<B, TinyLm<B>>().unwrap();
     let head = model.head.weight.id;
     for _ in 0..6 {
         let mut grads = grads_of(&model);
         poison(&mut grads, head, f32::INFINITY);
-        model = scaler.step_fused(&mut optim, 1e-3, model, grads).unwrap().0;
+        model = scaler.step(&mut optim, 1e-3, model, grads).unwrap().0;
         scaler.update().unwrap();
     }
     // 4 -> 2 -> 1, then overflows at the floor: 4 of them >= 3.
@@ -289,7 +357,10 @@ fn poisoned_run(fused: bool) {
             .with_growth_interval(50)
             .init::<B>(&device, Precision::F16)
             .unwrap();
-        let mut adamw = FusedAdamWConfig::new().with_weight_decay(0.0).init::<B>();
+        let mut adamw = FusedAdamWConfig::new()
+            .with_weight_decay(0.0)
+            .init::<B, TinyLm<B>>()
+            .unwrap();
         let mut adam = AdamConfig::new().init::<B, TinyLm<B>>();
         let poisoned = [3usize, 40, 41, 150];
         let mut skipped = Vec::new();
@@ -308,7 +379,7 @@ fn poisoned_run(fused: bool) {
             }
             let before = poisoned.contains(&step).then(|| params_of(&model));
             let (m, report) = if fused {
-                scaler.step_fused(&mut adamw, 3e-3, model, grads).unwrap()
+                scaler.step(&mut adamw, 3e-3, model, grads).unwrap()
             } else {
                 scaler.step(&mut adam, 3e-3, model, grads).unwrap()
             };
@@ -357,7 +428,7 @@ fn a_fused_scaled_step_reads_nothing_back() {
         let mut scaler = GradScalerConfig::new()
             .init::<B>(&device, Precision::F16)
             .unwrap();
-        let mut fused = FusedAdamWConfig::new().init::<B>();
+        let mut fused = FusedAdamWConfig::new().init::<B, TinyLm<B>>().unwrap();
         let mut adam = AdamConfig::new().init::<B, TinyLm<B>>();
         let mut step = |model: TinyLm<B>, use_fused: bool| {
             let (x, y) = task.batch::<B>(8, &device);
@@ -365,7 +436,7 @@ fn a_fused_scaled_step_reads_nothing_back() {
             let loss = model.loss(x, y);
             let grads = GradientsParams::from_grads(scaler.scale(loss).backward(), &model);
             let (model, _) = if use_fused {
-                scaler.step_fused(&mut fused, 1e-3, model, grads).unwrap()
+                scaler.step(&mut fused, 1e-3, model, grads).unwrap()
             } else {
                 scaler.step(&mut adam, 1e-3, model, grads).unwrap()
             };
@@ -394,56 +465,10 @@ fn bf16_and_f32_pass_through() {
         let loss = Tensor::<B, 1>::from_floats([2.5], &device);
         let scaled: f32 = scaler.scale(loss).into_scalar().elem();
         assert_eq!(scaled, 2.5);
-        let mut optim = FusedAdamWConfig::new().init::<B>();
-        let (_, report) = scaler.step_fused(&mut optim, 1e-3, model, grads).unwrap();
+        let mut optim = FusedAdamWConfig::new().init::<B, TinyLm<B>>().unwrap();
+        let (_, report) = scaler.step(&mut optim, 1e-3, model, grads).unwrap();
         assert!(!report.skipped());
         scaler.update().unwrap();
-    }
-}
-
-fn save<R: burn::record::Record<B>>(record: R) -> Vec<u8> {
-    BinBytesRecorder::<FullPrecisionSettings>::default()
-        .record(record, ())
-        .unwrap()
-}
-
-fn load<R: burn::record::Record<B>>(bytes: Vec<u8>) -> R {
-    BinBytesRecorder::<FullPrecisionSettings>::default()
-        .load(bytes, &Default::default())
-        .unwrap()
-}
-
-/// A plain chain (no tensor feeding several consumers), so that autodiff's order of
-/// gradient accumulation cannot vary between runs: what is compared is the saved state.
-#[derive(Module, Debug)]
-struct Mlp<B: Backend> {
-    l1: burn::nn::Linear<B>,
-    l2: burn::nn::Linear<B>,
-}
-
-impl<B: Backend> Mlp<B> {
-    fn new(device: &B::Device) -> Self {
-        Self {
-            l1: burn::nn::LinearConfig::new(8, 32).init(device),
-            l2: burn::nn::LinearConfig::new(32, 4).init(device),
-        }
-    }
-
-    fn loss(&self, x: Tensor<B, 2>, y: Tensor<B, 1, Int>) -> Tensor<B, 1> {
-        let logits = self
-            .l2
-            .forward(burn::tensor::activation::gelu(self.l1.forward(x)));
-        burn::nn::loss::CrossEntropyLossConfig::new()
-            .init(&logits.device())
-            .forward(logits, y)
-    }
-
-    fn params(&self) -> Vec<u32> {
-        [&self.l1.weight, &self.l2.weight]
-            .into_iter()
-            .flat_map(|p| p.val().into_data().to_vec::<f32>().unwrap())
-            .map(f32::to_bits)
-            .collect()
     }
 }
 
@@ -463,13 +488,15 @@ fn mlp_batch(
 fn run(
     model: Mlp<B>,
     scaler: &mut GradScaler<B>,
-    optim: &mut FusedAdamW<B>,
+    optim: &mut ScaledAdaptor<FusedAdamW, Mlp<B>, B>,
     steps: std::ops::Range<usize>,
 ) -> Mlp<B> {
     let device = Default::default();
     let mut model = model;
     for step in steps {
         let (x, y) = mlp_batch(step, &device);
+        // A plain chain (no tensor feeding several consumers), so that autodiff's order of
+        // gradient accumulation cannot vary between runs: what is compared is the saved state.
         let loss = model.loss(x, y);
         let mut grads = GradientsParams::from_grads(scaler.scale(loss).backward(), &model);
         if step == 7 {
@@ -477,7 +504,7 @@ fn run(
             let g = grads.remove::<Inner, 2>(id).unwrap();
             grads.register::<Inner, 2>(id, g.mul_scalar(f32::NAN));
         }
-        model = scaler.step_fused(optim, 1e-2, model, grads).unwrap().0;
+        model = scaler.step(optim, 1e-2, model, grads).unwrap().0;
         scaler.update().unwrap();
     }
     model
@@ -489,39 +516,40 @@ fn save_and_resume_continue_identically() {
         let device = Default::default();
         let _g = autocast(Precision::F16);
         B::seed(&device, 3);
-        // Burn initialises parameters lazily, per clone: materialise them once, then clone.
-        let init = Mlp::<B>::new(&device);
-        let init = Mlp::<B>::new(&device).load_record(init.into_record());
+        let init = Mlp::<B>::new(8, 32, 4, &device);
         let scaler_config = GradScalerConfig::new().with_growth_interval(4);
 
         // Uninterrupted.
         let mut scaler = scaler_config.init::<B>(&device, Precision::F16).unwrap();
-        let mut optim = FusedAdamWConfig::new().init::<B>();
+        let adamw = || FusedAdamWConfig::new().init::<B, Mlp<B>>().unwrap();
+        let mut optim = adamw();
         let straight = run(init.clone(), &mut scaler, &mut optim, 0..20);
         let straight_scaler = scaler.record();
 
         // Stopped after step 10, saved to bytes, loaded into fresh objects.
         let mut scaler = scaler_config.init::<B>(&device, Precision::F16).unwrap();
-        let mut optim = FusedAdamWConfig::new().init::<B>();
+        let mut optim = adamw();
         let half = run(init.clone(), &mut scaler, &mut optim, 0..10);
-        let model_bytes = save(half.into_record());
-        let scaler_bytes = save(scaler.record());
-        let optim_bytes = save(Optimizer::<Mlp<B>, B>::to_record(&optim));
+        let model_bytes = common::save::<B, _>(half.into_record());
+        let scaler_bytes = common::save::<B, _>(scaler.record());
+        let optim_bytes = common::save::<B, _>(Optimizer::<Mlp<B>, B>::to_record(&optim));
 
-        let model = Mlp::<B>::new(&device).load_record(load(model_bytes));
-        let scaler_record: GradScalerRecord = load(scaler_bytes);
+        let model = Mlp::<B>::new(8, 32, 4, &device).load_record(common::load(model_bytes, &device));
+        let scaler_record: GradScalerRecord = common::load::<B, _>(scaler_bytes, &device);
         let mut scaler = scaler_config
             .init::<B>(&device, Precision::F16)
             .unwrap()
             .load_record(scaler_record.clone());
-        let mut optim = Optimizer::<Mlp<B>, B>::load_record(
-            FusedAdamWConfig::new().init::<B>(),
-            load(optim_bytes),
-        );
+        let mut optim =
+            Optimizer::<Mlp<B>, B>::load_record(adamw(), common::load(optim_bytes, &device));
         assert_eq!(scaler.record(), scaler_record);
         let resumed = run(model, &mut scaler, &mut optim, 10..20);
 
-        assert_eq!(straight.params(), resumed.params(), "resumed run differs");
+        assert_eq!(
+            straight.weight_bits(),
+            resumed.weight_bits(),
+            "resumed run differs"
+        );
         assert_eq!(straight_scaler, scaler.record(), "scaler state differs");
         // The poisoned step moved the scale: the trajectory was really exercised.
         assert!(straight_scaler.scale != 65536.0);

@@ -119,11 +119,6 @@ impl PeakMemory {
     }
 }
 
-/// Bytes of one tensor primitive.
-fn primitive_bytes<T: burn_backend::TensorMetadata>(t: &T) -> u64 {
-    (t.shape().num_elements() * t.dtype().size()) as u64
-}
-
 /// Bytes of a module's float parameters: `(trainable, frozen)`, from the tensors' sizes and
 /// dtypes (exact, whatever the backend).
 pub fn parameter_bytes<B: Backend, M: burn::module::Module<B>>(module: &M) -> (u64, u64) {
@@ -152,29 +147,7 @@ pub fn parameter_bytes<B: Backend, M: burn::module::Module<B>>(module: &M) -> (u
     (count.trainable, count.frozen)
 }
 
-/// Bytes of the gradients a module's parameters hold in `grads` (exact).
-pub fn gradient_bytes<B, M>(module: &M, grads: &burn::optim::GradientsParams) -> u64
-where
-    B: burn::tensor::backend::AutodiffBackend,
-    M: burn::module::AutodiffModule<B>,
-{
-    use burn::module::{ModuleVisitor, Param};
-    use burn::tensor::Tensor;
-    struct Count<'a> {
-        grads: &'a burn::optim::GradientsParams,
-        bytes: u64,
-    }
-    impl<B: burn::tensor::backend::AutodiffBackend> ModuleVisitor<B> for Count<'_> {
-        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
-            if let Some(g) = self.grads.get::<B::InnerBackend, D>(param.id) {
-                self.bytes += primitive_bytes(&g.into_primitive().tensor());
-            }
-        }
-    }
-    let mut count = Count { grads, bytes: 0 };
-    module.visit(&mut count);
-    count.bytes
-}
+pub use crate::grads::gradient_bytes;
 
 /// Where the memory of one training step goes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
@@ -367,8 +340,6 @@ impl StepMemory {
 
 mod finder;
 mod guard;
-mod saving;
 
 pub use finder::{BatchPlan, FinderError, find_micro_batch};
 pub use guard::{GuardError, MemoryGuard, OutOfMemory};
-pub use saving::MemorySaving;

@@ -3,9 +3,17 @@
 use burn::config::Config;
 
 use super::ScalerError;
-use crate::kernels::ScaleRule;
+use super::kernels::ScaleRule;
 
-/// Configuration of a [`GradScaler`](super::GradScaler). The defaults are PyTorch's.
+/// Configuration of a [`GradScaler`](super::GradScaler).
+///
+/// The defaults are PyTorch's (`init_scale` 2^16, `growth_factor` 2, `backoff_factor` 0.5,
+/// `growth_interval` 2000), with DeepSpeed's extras: `hysteresis` 1 (PyTorch's behaviour),
+/// `min_scale` 1 and no `max_scale`. PyTorch has no floor: its scale can shrink towards 0.
+/// burn-amp stops at 1 by default, because below 1 the scaler shrinks the gradients instead
+/// of protecting them, and an f16 run that overflows at scale 1 is diverging or has a bug,
+/// which [`GradScaler::check`](super::GradScaler::check) then reports. Set `min_scale` lower
+/// to follow PyTorch.
 #[derive(Config, Debug, PartialEq)]
 pub struct GradScalerConfig {
     /// The first loss scale.
@@ -24,10 +32,12 @@ pub struct GradScalerConfig {
     /// every overflow, as PyTorch does.
     #[config(default = 1)]
     pub hysteresis: u32,
-    /// The floor of the scale (DeepSpeed's `min_loss_scale`).
+    /// The floor of the scale (DeepSpeed's `min_loss_scale`; see above).
     #[config(default = 1.0)]
     pub min_scale: f32,
-    /// The ceiling of the scale; unbounded by default, as in PyTorch.
+    /// The ceiling of the scale: a growth that would pass it is refused, the scale stays (so
+    /// a power-of-two scale stays one). By default only an infinite scale is refused, as in
+    /// PyTorch.
     #[config(default = "f32::MAX")]
     pub max_scale: f32,
     /// Overflows in a row at `min_scale` after which [`GradScaler::check`](super::GradScaler::check)
@@ -43,7 +53,12 @@ pub struct GradScalerConfig {
 
 impl GradScalerConfig {
     /// Checks the values; the error names the field and says what is allowed.
-    pub fn validate(&self) -> Result<ScaleRule, ScalerError> {
+    pub fn validate(&self) -> Result<(), ScalerError> {
+        self.rule().map(|_| ())
+    }
+
+    /// The validated constants of the scale update.
+    pub(crate) fn rule(&self) -> Result<ScaleRule, ScalerError> {
         let invalid = |field: &'static str, value: f64, expected: &'static str| {
             Err(ScalerError::InvalidConfig {
                 field,

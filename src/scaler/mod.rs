@@ -6,61 +6,76 @@
 //! overflowed is skipped and the scale backs off. bf16 has f32's range: at `Precision::Bf16`
 //! or `F32` the scaler is a pass-through, so one training loop serves every precision.
 //!
-//! Each step walks an explicit state machine, like `torch/amp/grad_scaler.py`:
+//! One call takes a step, whatever the optimizer ([`ScaledStep`]):
+//!
+//! ```ignore
+//! let grads = GradientsParams::from_grads(scaler.scale(loss).backward(), &model);
+//! let (model, report) = scaler.step(&mut optim, lr, model, grads)?; // skips on inf/NaN
+//! scaler.update()?;                                                  // on the device
+//! ```
+//!
+//! Each module's step walks an explicit state machine, like `torch/amp/grad_scaler.py`
+//! (which keeps it per optimizer; here it is per module, the thing whose gradients are
+//! unscaled and stepped):
 //!
 //! ```text
 //!  Ready --unscale--> Unscaled --step--> Stepped --update--> Ready
 //!    \____________________step____________/
 //! ```
-//! Misuse is a named [`ScalerError`], never a silent double unscale.
+//! Several modules (a GAN's generator and discriminator) may each step once before one
+//! `update`, which backs off if any of them overflowed. Misuse is a named [`ScalerError`].
 //!
-//! Host reads: with a [fused optimizer](fused) a scaled step makes **none**: `found_inf`,
-//! the scale and the step count are device tensors and the kernels read them there. With any
-//! other Burn optimizer, [`GradScaler::step`] reads `found_inf` once per step to decide the
+//! Host reads: with a [fused optimizer](crate::optim) a scaled step makes **none**:
+//! `found_inf`, the scale and the step counts are device tensors and the kernels read them
+//! there. With any other Burn optimizer, `step` reads `found_inf` once per step to decide the
 //! skip, exactly as PyTorch does for non-fused optimizers.
 
 mod config;
-pub mod fused;
-mod grads;
+pub mod kernels;
+mod step;
 
-use burn::module::AutodiffModule;
-use burn::optim::{GradientsParams, LearningRate, Optimizer};
+use burn::module::{AutodiffModule, ModuleVisitor, Param};
+use burn::optim::{GradientsParams, LearningRate};
 use burn::prelude::*;
 use burn::record::Record;
-use burn::tensor::TensorPrimitive;
 use burn::tensor::backend::AutodiffBackend;
+use burn::tensor::{DType, TensorData};
 use thiserror::Error;
 
 pub use config::GradScalerConfig;
-pub use fused::{FusedAdamW, FusedAdamWConfig, FusedOptimizer, FusedSgd, FusedSgdConfig};
+pub use kernels::{ScaleRule, ScaleState, ScalerKernels};
+pub use step::{ScaleSignals, ScaledStep, StepOutcome, Unfused};
 
 use crate::Precision;
-use crate::kernels::{AmpKernels, ScaleRule, ScaleState};
+use crate::accumulate::AccumulationError;
+use crate::grads::{GradList, primitive, tensor};
 
-/// Where a scaler is within one optimizer step.
+/// Where a module is within one optimizer step.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Stage {
     /// Ready for `unscale` or `step`.
     Ready,
     /// Gradients were unscaled (and checked); `step` comes next.
     Unscaled,
-    /// The optimizer step ran (or was skipped); `update` comes next.
+    /// The optimizer step ran (or was skipped, or accumulated); `update` comes next.
     Stepped,
 }
 
 /// Misuse of the scaler, or a configuration it cannot run.
 #[derive(Debug, Clone, PartialEq, Error)]
 pub enum ScalerError {
-    /// `unscale` was called twice in one step.
+    /// `unscale` was called twice for one module in one step.
     #[error(
-        "unscale() was already called since the last update(): gradients would be divided by the scale twice"
+        "unscale() was already called for this module since the last update(): gradients would be divided by the scale twice"
     )]
     UnscaleTwice,
     /// `unscale` after `step`.
-    #[error("unscale() after step(): call update() to finish the step first")]
+    #[error("unscale() after step() for this module: call update() to finish the step first")]
     UnscaleAfterStep,
-    /// `step` twice without `update` in between.
-    #[error("step() was already called since the last update(): call update() once per step")]
+    /// `step` twice for one module without `update` in between.
+    #[error(
+        "step() was already called for this module since the last update(): call update() once per step"
+    )]
     StepTwice,
     /// `update` before any `step`.
     #[error("update() before step(): the scale can only be updated after an optimizer step")]
@@ -87,12 +102,16 @@ pub enum ScalerError {
         /// Overflows in a row at the floor.
         overflows: u32,
     },
+    /// An accumulation window refused the step.
+    #[error(transparent)]
+    Accumulation(#[from] AccumulationError),
 }
 
 /// What a [`GradScaler::step`] did. `found_inf` stays on the device until asked for.
 #[derive(Debug, Clone)]
 pub struct StepReport<B: Backend> {
     found_inf: Option<Tensor<B, 1>>,
+    accumulated: bool,
 }
 
 impl<B: Backend> StepReport<B> {
@@ -104,9 +123,16 @@ impl<B: Backend> StepReport<B> {
             .is_some_and(|f| f.clone().into_scalar().elem::<f32>() != 0.0)
     }
 
-    /// The overflow flag as a device tensor (`[1]`, 0 or 1): no read.
+    /// The overflow flag as a device tensor (`[1]`, 0 or 1): no read. `None` when nothing was
+    /// checked (a pass-through scaler, or a micro-step inside an accumulation window).
     pub fn found_inf(&self) -> Option<Tensor<B, 1>> {
         self.found_inf.clone()
+    }
+
+    /// Whether the gradients went into an accumulation window without an optimizer step
+    /// (a micro-step before the window's boundary). No read.
+    pub fn accumulated(&self) -> bool {
+        self.accumulated
     }
 }
 
@@ -124,22 +150,28 @@ pub struct GradScalerRecord {
     pub floor_overflows: f32,
 }
 
+/// One module's progress through the current step.
+#[derive(Debug, Clone)]
+struct ModuleStep<B: Backend> {
+    key: u64,
+    stage: Stage,
+    found_inf: Option<Tensor<B, 1>>,
+}
+
 /// The dynamic loss scaler. See the [module docs](self).
 #[derive(Debug, Clone)]
 pub struct GradScaler<B: AutodiffBackend>
 where
-    B::InnerBackend: AmpKernels,
+    B::InnerBackend: ScalerKernels,
 {
     config: GradScalerConfig,
     rule: ScaleRule,
     enabled: bool,
-    stage: Stage,
     /// f32 `[4]`: see [`ScaleState`].
     state: Tensor<B::InnerBackend, 1>,
-    /// f32 `[1]` of this step, from `unscale`.
-    found_inf: Option<Tensor<B::InnerBackend, 1>>,
-    inv_scale: Option<Tensor<B::InnerBackend, 1>>,
-    /// Times the scale may have changed: each `update` and `load_record`.
+    /// The modules seen since the last `update`.
+    modules: Vec<ModuleStep<B::InnerBackend>>,
+    /// Times the scale may have changed: each `update` that ran and each `load_record`.
     generation: u64,
 }
 
@@ -151,44 +183,79 @@ impl GradScalerConfig {
         precision: Precision,
     ) -> Result<GradScaler<B>, ScalerError>
     where
-        B::InnerBackend: AmpKernels,
+        B::InnerBackend: ScalerKernels,
     {
-        let rule = self.validate()?;
-        let state =
-            Tensor::from_floats([self.init_scale, 0.0, self.hysteresis as f32, 0.0], device);
+        let rule = self.rule()?;
+        let record = GradScalerRecord {
+            scale: self.init_scale,
+            growth_tracker: 0.0,
+            hysteresis_left: self.hysteresis as f32,
+            floor_overflows: 0.0,
+        };
         Ok(GradScaler {
             config: self.clone(),
             rule,
             enabled: self.enabled && precision.needs_loss_scaling(),
-            stage: Stage::Ready,
-            state,
-            found_inf: None,
-            inv_scale: None,
+            state: state_tensor(&record, device),
+            modules: Vec::new(),
             generation: 0,
         })
     }
 }
 
-fn primitive<B: Backend>(t: Tensor<B, 1>) -> burn_backend::tensor::FloatTensor<B> {
-    t.into_primitive().tensor()
+/// The f32 `[4]` state: f32 whatever the device's default float dtype (an f16 default would
+/// turn the initial scale 65536 into inf).
+fn state_tensor<B: Backend>(record: &GradScalerRecord, device: &B::Device) -> Tensor<B, 1> {
+    let values = vec![
+        record.scale,
+        record.growth_tracker,
+        record.hysteresis_left,
+        record.floor_overflows,
+    ];
+    Tensor::from_data(TensorData::new(values, [4]), (device, DType::F32))
 }
 
-fn tensor<B: Backend>(t: burn_backend::tensor::FloatTensor<B>) -> Tensor<B, 1> {
-    Tensor::from_primitive(TensorPrimitive::Float(t))
+/// A module's identity across steps: its first parameter's id (0 without parameters).
+fn module_key<B: AutodiffBackend, M: AutodiffModule<B>>(module: &M) -> u64 {
+    struct First(Option<u64>);
+    impl<B: Backend> ModuleVisitor<B> for First {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+            self.0.get_or_insert(param.id.val());
+        }
+    }
+    let mut first = First(None);
+    module.visit(&mut first);
+    first.0.unwrap_or(0)
 }
 
 impl<B: AutodiffBackend> GradScaler<B>
 where
-    B::InnerBackend: AmpKernels,
+    B::InnerBackend: ScalerKernels,
 {
     /// Whether the scaler scales (f16 and enabled), or passes everything through.
     pub fn is_enabled(&self) -> bool {
         self.enabled
     }
 
-    /// The step's stage.
+    /// The furthest stage any module reached since the last `update`.
     pub fn stage(&self) -> Stage {
-        self.stage
+        let reached = |s| self.modules.iter().any(|m| m.stage == s);
+        if reached(Stage::Stepped) {
+            Stage::Stepped
+        } else if reached(Stage::Unscaled) {
+            Stage::Unscaled
+        } else {
+            Stage::Ready
+        }
+    }
+
+    /// `module`'s stage in the current step.
+    pub fn stage_of<M: AutodiffModule<B>>(&self, module: &M) -> Stage {
+        let key = module_key::<B, M>(module);
+        self.modules
+            .iter()
+            .find(|m| m.key == key)
+            .map_or(Stage::Ready, |m| m.stage)
     }
 
     /// The configuration.
@@ -196,10 +263,9 @@ where
         &self.config
     }
 
-    /// A counter of the events that may change the scale (each [`update`](Self::update) and
-    /// [`load_record`](Self::load_record)), read without touching the device. Equal values
-    /// mean the scale did not change in between: gradient accumulation uses it to check
-    /// that every micro-batch of a window was scaled alike.
+    /// A counter of the events that may change the scale (each [`update`](Self::update) that
+    /// updated it and each [`load_record`](Self::load_record)), read without touching the
+    /// device. Equal values mean the scale did not change in between.
     pub fn scale_generation(&self) -> u64 {
         self.generation
     }
@@ -218,48 +284,59 @@ where
         loss * scale
     }
 
+    /// The entry of `module` in the current step, created at `Ready`.
+    fn entry(&mut self, key: u64) -> &mut ModuleStep<B::InnerBackend> {
+        let index = match self.modules.iter().position(|m| m.key == key) {
+            Some(index) => index,
+            None => {
+                self.modules.push(ModuleStep {
+                    key,
+                    stage: Stage::Ready,
+                    found_inf: None,
+                });
+                self.modules.len() - 1
+            }
+        };
+        &mut self.modules[index]
+    }
+
     /// Divides the gradients of `module` by the scale and records whether any is inf/NaN.
-    /// Optional: call it before gradient clipping; [`step`](Self::step) does it otherwise.
+    /// Optional: call it before clipping or reading gradients yourself; [`step`](Self::step)
+    /// does it otherwise. Each gradient is first cast to its parameter's dtype.
     pub fn unscale<M: AutodiffModule<B>>(
         &mut self,
         module: &M,
         grads: &mut GradientsParams,
     ) -> Result<(), ScalerError> {
-        match self.stage {
+        let key = module_key::<B, M>(module);
+        match self.entry(key).stage {
             Stage::Ready => {}
             Stage::Unscaled => return Err(ScalerError::UnscaleTwice),
             Stage::Stepped => return Err(ScalerError::UnscaleAfterStep),
         }
-        self.stage = Stage::Unscaled;
-        if !self.enabled {
-            return Ok(());
-        }
-        let inv_scale = self.scale_tensor().recip();
-        let found_inf = Tensor::<B::InnerBackend, 1>::zeros([1], &inv_scale.device());
-        let (ids, list): (Vec<_>, Vec<_>) = grads::take::<B, M>(module, grads).into_iter().unzip();
-        let (list, found_inf) = B::InnerBackend::unscale_and_check(
-            list,
-            primitive(inv_scale.clone()),
-            primitive(found_inf),
-        );
-        grads::put::<B, M>(module, grads, ids.into_iter().zip(list).collect());
-        self.found_inf = Some(tensor(found_inf));
-        // The gradients now hold true values: the optimizer must not divide again.
-        self.inv_scale = Some(inv_scale.ones_like());
+        let found_inf = if self.enabled {
+            let inv_scale = self.scale_tensor().recip();
+            let list = GradList::take::<B, M>(module, grads).to_param_dtypes();
+            let (list, found_inf) = list.unscale_and_check(inv_scale, self.zero());
+            list.put::<B, M>(module, grads);
+            Some(found_inf)
+        } else {
+            None
+        };
+        let entry = self.entry(key);
+        entry.stage = Stage::Unscaled;
+        entry.found_inf = found_inf;
         Ok(())
     }
 
-    fn begin_step(&mut self) -> Result<(), ScalerError> {
-        match self.stage {
-            Stage::Stepped => Err(ScalerError::StepTwice),
-            Stage::Ready | Stage::Unscaled => Ok(()),
-        }
+    fn zero(&self) -> Tensor<B::InnerBackend, 1> {
+        Tensor::zeros([1], (&self.state.device(), DType::F32))
     }
 
-    /// Unscales if still needed, then runs `optim` unless the gradients overflowed.
-    ///
-    /// Works with any Burn optimizer, at the cost of one host read of `found_inf` per step
-    /// (like PyTorch's non-fused path). [`step_fused`](Self::step_fused) makes none.
+    /// Steps `optim` on `module`'s gradients, unless they overflowed: the one call for every
+    /// optimizer ([`ScaledStep`]): burn-amp's fused ones (no host read), Burn's own, any
+    /// other wrapped in [`Unfused`] (one read), and [`GradientAccumulation`](crate::GradientAccumulation)
+    /// around them (mid-window it accumulates; the report says so).
     pub fn step<M, O>(
         &mut self,
         optim: &mut O,
@@ -269,70 +346,58 @@ where
     ) -> Result<(M, StepReport<B::InnerBackend>), ScalerError>
     where
         M: AutodiffModule<B>,
-        O: Optimizer<M, B>,
+        O: ScaledStep<M, B>,
     {
-        self.begin_step()?;
-        if self.stage == Stage::Ready {
-            self.unscale(&module, &mut grads)?;
+        let key = module_key::<B, M>(&module);
+        let entry = self.entry(key);
+        let (stage, checked) = (entry.stage, entry.found_inf.clone());
+        if stage == Stage::Stepped {
+            return Err(ScalerError::StepTwice);
         }
-        self.stage = Stage::Stepped;
-        let report = StepReport {
-            found_inf: self.found_inf.clone(),
-        };
-        if report.skipped() {
-            return Ok((module, report));
-        }
-        Ok((optim.step(lr, module, grads), report))
-    }
-
-    /// Like [`step`](Self::step) with a [fused optimizer](fused): the unscale, the skip and
-    /// the update happen in its kernels, with no host read.
-    pub fn step_fused<M, O>(
-        &mut self,
-        optim: &mut O,
-        lr: LearningRate,
-        module: M,
-        grads: GradientsParams,
-    ) -> Result<(M, StepReport<B::InnerBackend>), ScalerError>
-    where
-        M: AutodiffModule<B>,
-        O: FusedOptimizer<B>,
-    {
-        self.begin_step()?;
-        let mut grads = grads;
-        if self.stage == Stage::Ready {
-            // One pass over every gradient: the skip must be decided for all parameters
-            // before any of them is updated.
-            self.unscale(&module, &mut grads)?;
-        }
-        let (inv_scale, found_inf) = (self.inv_scale.clone(), self.found_inf.clone());
-        self.stage = Stage::Stepped;
-        let module = optim.step_scaled(lr, module, grads, inv_scale, found_inf);
-        Ok((
-            module,
-            StepReport {
-                found_inf: self.found_inf.clone(),
+        let signals = self.enabled.then(|| ScaleSignals {
+            scale: self.scale_tensor(),
+            inv_scale: (stage == Stage::Ready).then(|| self.scale_tensor().recip()),
+            found_inf: checked,
+            generation: self.generation,
+        });
+        let list = GradList::take::<B, M>(&module, &mut grads);
+        let (module, outcome) = optim.step_scaled(lr, module, list, signals.as_ref())?;
+        let report = match outcome {
+            StepOutcome::Stepped { found_inf } => StepReport {
+                found_inf,
+                accumulated: false,
             },
-        ))
+            StepOutcome::Accumulated => StepReport {
+                found_inf: None,
+                accumulated: true,
+            },
+        };
+        let entry = self.entry(key);
+        entry.stage = Stage::Stepped;
+        entry.found_inf = report.found_inf.clone();
+        Ok((module, report))
     }
 
-    /// Updates the scale for the next step, on the device: back off after an overflow,
-    /// grow after `growth_interval` clean steps.
+    /// Updates the scale for the next step, on the device: back off after an overflow of any
+    /// module, grow after `growth_interval` clean steps. After micro-steps that only
+    /// accumulated, the scale stays: it changes at window boundaries only.
     pub fn update(&mut self) -> Result<(), ScalerError> {
-        if self.stage != Stage::Stepped {
+        if !self.modules.iter().any(|m| m.stage == Stage::Stepped) {
             return Err(ScalerError::UpdateBeforeStep);
         }
-        self.stage = Stage::Ready;
-        self.inv_scale = None;
-        self.generation += 1;
-        let Some(found_inf) = self.found_inf.take() else {
-            return Ok(());
-        };
-        self.state = tensor(B::InnerBackend::update_scale(
-            primitive(self.state.clone()),
-            primitive(found_inf),
-            self.rule,
-        ));
+        let found_inf = self
+            .modules
+            .drain(..)
+            .filter_map(|m| m.found_inf)
+            .reduce(|a, b| a.max_pair(b));
+        if let Some(found_inf) = found_inf.filter(|_| self.enabled) {
+            self.state = tensor(B::InnerBackend::update_scale(
+                primitive(self.state.clone()),
+                primitive(found_inf),
+                self.rule,
+            ));
+            self.generation += 1;
+        }
         Ok(())
     }
 
@@ -346,12 +411,14 @@ where
         }
     }
 
-    /// Whether this step's gradients overflowed (`None` before unscale/step).
+    /// Whether any module's gradients overflowed in this step (`None` before any was checked).
     /// Reads one value from the device.
     pub fn found_inf(&self) -> Option<bool> {
-        self.found_inf
-            .as_ref()
-            .map(|f| f.clone().into_scalar().elem::<f32>() != 0.0)
+        self.modules
+            .iter()
+            .filter_map(|m| m.found_inf.clone())
+            .reduce(|a, b| a.max_pair(b))
+            .map(|f| f.into_scalar().elem::<f32>() != 0.0)
     }
 
     /// Fails when the run keeps overflowing at `min_scale`. Reads the state from the device:
@@ -380,19 +447,8 @@ where
 
     /// Restores a saved state; the next step continues the saved trajectory.
     pub fn load_record(mut self, record: GradScalerRecord) -> Self {
-        let device = self.state.device();
-        self.state = Tensor::from_floats(
-            [
-                record.scale,
-                record.growth_tracker,
-                record.hysteresis_left,
-                record.floor_overflows,
-            ],
-            &device,
-        );
-        self.stage = Stage::Ready;
-        self.found_inf = None;
-        self.inv_scale = None;
+        self.state = state_tensor(&record, &self.state.device());
+        self.modules.clear();
         self.generation += 1;
         self
     }

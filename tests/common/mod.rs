@@ -1,8 +1,16 @@
-//! Shared test support: backends, devices, the op harness.
+//! Shared test support: devices, models, record and timing helpers, the op harness. The
+//! benches include this module by path, the examples `tiny_lm.rs` alone.
 #![allow(dead_code)]
 
 pub mod harness;
+pub mod models;
 pub mod policy_ops;
+pub mod tiny_lm;
+
+use std::time::Duration;
+
+use burn::prelude::Backend;
+use burn::record::{BinBytesRecorder, FullPrecisionSettings, Record, Recorder};
 
 use burn::backend::wgpu::WgpuDevice;
 
@@ -47,4 +55,29 @@ pub fn big_stack<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> T
         .unwrap()
         .join()
         .unwrap_or_else(|e| std::panic::resume_unwind(e))
+}
+
+/// A record as bytes, at full precision (what a checkpoint on disk holds).
+pub fn save<B: Backend, R: Record<B>>(record: R) -> Vec<u8> {
+    BinBytesRecorder::<FullPrecisionSettings>::default()
+        .record(record, ())
+        .unwrap()
+}
+
+/// A record back from [`save`]'s bytes, onto `device`.
+pub fn load<B: Backend, R: Record<B>>(bytes: Vec<u8>, device: &B::Device) -> R {
+    BinBytesRecorder::<FullPrecisionSettings>::default()
+        .load(bytes, device)
+        .unwrap()
+}
+
+/// The median of `v`.
+pub fn median(mut v: Vec<Duration>) -> Duration {
+    v.sort();
+    v[v.len() / 2]
+}
+
+/// Bytes as MiB, for tables.
+pub fn mib(bytes: u64) -> f64 {
+    bytes as f64 / (1024.0 * 1024.0)
 }

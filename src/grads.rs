@@ -1,0 +1,357 @@
+//! A module's gradients as one list: taken out of Burn's [`GradientsParams`] in the module's
+//! visiting order, worked on as a whole (one kernel call sees every gradient), put back with
+//! their ranks. The scaler, the optimizers, accumulation and the memory report all use it.
+//!
+//! ```ignore
+//! use burn_amp::grads::GradList;
+//! let mut list = GradList::take(&model, &mut grads);
+//! let norm = list.clip_by_global_norm(1.0);   // like optax.clip_by_global_norm
+//! let grads = list.into_params(&model);
+//! ```
+
+use std::collections::HashMap;
+
+use burn::module::{AutodiffModule, ModuleVisitor, Param, ParamId};
+use burn::optim::{GradientsParams, MultiGradientsParams};
+use burn::prelude::*;
+use burn::tensor::backend::AutodiffBackend;
+use burn::tensor::{DType, TensorPrimitive};
+use burn_backend::TensorMetadata;
+use burn_backend::tensor::FloatTensor;
+use burn_std::FloatDType;
+
+use crate::scaler::ScalerKernels;
+
+/// One parameter's gradient in a [`GradList`].
+#[derive(Debug, Clone)]
+pub struct GradEntry<B: Backend> {
+    /// The parameter.
+    pub id: ParamId,
+    /// Its gradient, any rank.
+    pub grad: FloatTensor<B>,
+    /// The parameter's dtype: a gradient may arrive in another (see [`GradList::to_param_dtypes`]).
+    pub param_dtype: DType,
+}
+
+/// The gradients of a module's float parameters, in visiting order. `B` is the inner
+/// (non-autodiff) backend, where gradients live.
+#[derive(Debug, Clone)]
+pub struct GradList<B: Backend> {
+    entries: Vec<GradEntry<B>>,
+}
+
+impl<B: Backend> Default for GradList<B> {
+    fn default() -> Self {
+        Self {
+            entries: Vec::new(),
+        }
+    }
+}
+
+/// Where a visitor finds each parameter's gradient.
+trait Source<B: Backend> {
+    fn grad<const D: usize>(&mut self, id: ParamId) -> Option<Tensor<B, D>>;
+}
+
+impl<B: Backend> Source<B> for &mut GradientsParams {
+    fn grad<const D: usize>(&mut self, id: ParamId) -> Option<Tensor<B, D>> {
+        self.remove::<B, D>(id)
+    }
+}
+
+impl<B: Backend> Source<B> for &GradientsParams {
+    fn grad<const D: usize>(&mut self, id: ParamId) -> Option<Tensor<B, D>> {
+        self.get::<B, D>(id)
+    }
+}
+
+impl<B: Backend> Source<B> for &mut MultiGradientsParams {
+    fn grad<const D: usize>(&mut self, id: ParamId) -> Option<Tensor<B, D>> {
+        // Summed onto the device Burn's adaptor would pick for this parameter; the gradient
+        // keeps that device, and the optimizers move the parameter to it.
+        self.remove::<B, D>(id).map(|(grad, _device)| grad)
+    }
+}
+
+struct Collect<S, B: Backend> {
+    source: S,
+    entries: Vec<GradEntry<B>>,
+}
+
+impl<AB: AutodiffBackend, S: Source<AB::InnerBackend>> ModuleVisitor<AB>
+    for Collect<S, AB::InnerBackend>
+{
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<AB, D>>) {
+        if let Some(grad) = self.source.grad::<D>(param.id) {
+            self.entries.push(GradEntry {
+                id: param.id,
+                grad: grad.into_primitive().tensor(),
+                param_dtype: param.val().dtype(),
+            });
+        }
+    }
+}
+
+fn collect<AB, M, S>(module: &M, source: S) -> GradList<AB::InnerBackend>
+where
+    AB: AutodiffBackend,
+    M: AutodiffModule<AB>,
+    S: Source<AB::InnerBackend>,
+{
+    let mut visitor = Collect {
+        source,
+        entries: Vec::new(),
+    };
+    module.visit(&mut visitor);
+    GradList {
+        entries: visitor.entries,
+    }
+}
+
+impl<B: Backend> GradList<B> {
+    /// Takes `module`'s gradients out of `grads` (a gradient of another module stays there).
+    pub fn take<AB, M>(module: &M, grads: &mut GradientsParams) -> Self
+    where
+        AB: AutodiffBackend<InnerBackend = B>,
+        M: AutodiffModule<AB>,
+    {
+        collect::<AB, M, _>(module, grads)
+    }
+
+    /// Takes `module`'s gradients out of several devices' gradients, each summed onto one
+    /// device as Burn's optimizer adaptor does (the gradient keeps that device).
+    pub fn take_multi<AB, M>(module: &M, grads: &mut MultiGradientsParams) -> Self
+    where
+        AB: AutodiffBackend<InnerBackend = B>,
+        M: AutodiffModule<AB>,
+    {
+        collect::<AB, M, _>(module, grads)
+    }
+
+    /// `module`'s gradients in `grads`, left there (tensors are shared, not copied).
+    pub fn peek<AB, M>(module: &M, grads: &GradientsParams) -> Self
+    where
+        AB: AutodiffBackend<InnerBackend = B>,
+        M: AutodiffModule<AB>,
+    {
+        collect::<AB, M, _>(module, grads)
+    }
+
+    /// A list of the given entries.
+    pub fn from_entries(entries: Vec<GradEntry<B>>) -> Self {
+        Self { entries }
+    }
+
+    /// The entries, in visiting order.
+    pub fn entries(&self) -> &[GradEntry<B>] {
+        &self.entries
+    }
+
+    /// The entries, by value.
+    pub fn into_entries(self) -> Vec<GradEntry<B>> {
+        self.entries
+    }
+
+    /// Number of gradients.
+    pub fn len(&self) -> usize {
+        self.entries.len()
+    }
+
+    /// Whether there is no gradient.
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
+
+    /// The gradients, in visiting order.
+    pub fn tensors(&self) -> Vec<FloatTensor<B>> {
+        self.entries.iter().map(|e| e.grad.clone()).collect()
+    }
+
+    /// Replaces the gradients, in visiting order (one per entry).
+    pub fn with_tensors(mut self, tensors: Vec<FloatTensor<B>>) -> Self {
+        assert_eq!(
+            tensors.len(),
+            self.entries.len(),
+            "one gradient per entry is needed"
+        );
+        for (entry, grad) in self.entries.iter_mut().zip(tensors) {
+            entry.grad = grad;
+        }
+        self
+    }
+
+    /// Each gradient through `f`.
+    pub fn map(mut self, mut f: impl FnMut(FloatTensor<B>) -> FloatTensor<B>) -> Self {
+        for entry in &mut self.entries {
+            entry.grad = f(entry.grad.clone());
+        }
+        self
+    }
+
+    /// Each gradient cast to its parameter's dtype (no copy where it has it already).
+    ///
+    /// Under `Autodiff<Amp<B>>` the gradient of an f32 parameter used by a lowered op (a raw
+    /// `matmul`) arrives in f16/bf16: autodiff registers it without a cast. Every burn-amp
+    /// step path casts it back here before an optimizer sees it.
+    pub fn to_param_dtypes(self) -> Self {
+        self.map_entries(|e| {
+            if e.grad.dtype() != e.param_dtype && e.param_dtype.is_float() {
+                let dtype: FloatDType = e.param_dtype.into();
+                B::float_cast(e.grad.clone(), dtype)
+            } else {
+                e.grad.clone()
+            }
+        })
+    }
+
+    fn map_entries(mut self, mut f: impl FnMut(&GradEntry<B>) -> FloatTensor<B>) -> Self {
+        for i in 0..self.entries.len() {
+            let grad = f(&self.entries[i]);
+            self.entries[i].grad = grad;
+        }
+        self
+    }
+
+    /// Bytes held by the gradients.
+    pub fn bytes(&self) -> u64 {
+        self.entries
+            .iter()
+            .map(|e| (e.grad.shape().num_elements() * e.grad.dtype().size()) as u64)
+            .sum()
+    }
+
+    /// The global L2 norm of all gradients, as an f32 `[1]` tensor on the first gradient's
+    /// device (`None` for an empty list). Squares are summed in f32 whatever the dtypes.
+    pub fn global_norm(&self) -> Option<Tensor<B, 1>> {
+        let first = self.entries.first()?;
+        let device = B::float_device(&first.grad);
+        let sum_sq = self
+            .entries
+            .iter()
+            .map(|e| {
+                let g: Tensor<B, 1> = flat(e.grad.clone());
+                g.cast(FloatDType::F32).square().sum().to_device(&device)
+            })
+            .reduce(|a, b| a + b)?;
+        Some(sum_sq.sqrt())
+    }
+
+    /// Scales every gradient by `min(1, max_norm / (norm + 1e-6))`, as
+    /// `torch.nn.utils.clip_grad_norm_` and `optax.clip_by_global_norm`, on the device (no
+    /// host read). Returns the norm before clipping (`None` for an empty list).
+    pub fn clip_by_global_norm(&mut self, max_norm: f32) -> Option<Tensor<B, 1>> {
+        let norm = self.global_norm()?;
+        let coef = norm
+            .clone()
+            .add_scalar(1e-6)
+            .recip()
+            .mul_scalar(max_norm)
+            .clamp_max(1.0);
+        for entry in &mut self.entries {
+            let shape = entry.grad.shape();
+            let g: Tensor<B, 1> = flat(entry.grad.clone());
+            let c = coef.clone().to_device(&g.device()).cast(g.dtype());
+            let clipped = (g * c).into_primitive().tensor();
+            entry.grad = B::float_reshape(clipped, shape);
+        }
+        Some(norm)
+    }
+
+    /// Registers the gradients in a fresh [`GradientsParams`], with their parameters' ranks.
+    pub fn into_params<AB, M>(self, module: &M) -> GradientsParams
+    where
+        AB: AutodiffBackend<InnerBackend = B>,
+        M: AutodiffModule<AB>,
+    {
+        let mut grads = GradientsParams::new();
+        self.put::<AB, M>(module, &mut grads);
+        grads
+    }
+
+    /// Puts the gradients into `grads`, with their parameters' ranks. A gradient whose
+    /// parameter `module` no longer has is dropped.
+    pub fn put<AB, M>(self, module: &M, grads: &mut GradientsParams)
+    where
+        AB: AutodiffBackend<InnerBackend = B>,
+        M: AutodiffModule<AB>,
+    {
+        struct Put<'a, B: Backend> {
+            grads: &'a mut GradientsParams,
+            list: HashMap<ParamId, FloatTensor<B>>,
+        }
+        impl<AB: AutodiffBackend> ModuleVisitor<AB> for Put<'_, AB::InnerBackend> {
+            fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<AB, D>>) {
+                if let Some(grad) = self.list.remove(&param.id) {
+                    let grad = Tensor::<AB::InnerBackend, D>::from_primitive(
+                        TensorPrimitive::Float(grad),
+                    );
+                    self.grads.register::<AB::InnerBackend, D>(param.id, grad);
+                }
+            }
+        }
+        let mut visitor = Put {
+            grads,
+            list: self.entries.into_iter().map(|e| (e.id, e.grad)).collect(),
+        };
+        module.visit(&mut visitor);
+    }
+}
+
+impl<B: ScalerKernels> GradList<B> {
+    /// Raises `found_inf` (f32 `[1]`) if any gradient holds inf or NaN; reads every gradient
+    /// once and writes nothing else ([`ScalerKernels::check_finite`]).
+    pub fn check_finite(&self, found_inf: Tensor<B, 1>) -> Tensor<B, 1> {
+        tensor(B::check_finite(self.tensors(), primitive(found_inf)))
+    }
+
+    /// Multiplies every gradient by `inv_scale` and raises `found_inf` on inf or NaN, in one
+    /// pass ([`ScalerKernels::unscale_and_check`]).
+    pub fn unscale_and_check(
+        self,
+        inv_scale: Tensor<B, 1>,
+        found_inf: Tensor<B, 1>,
+    ) -> (Self, Tensor<B, 1>) {
+        let (tensors, found) =
+            B::unscale_and_check(self.tensors(), primitive(inv_scale), primitive(found_inf));
+        (self.with_tensors(tensors), tensor(found))
+    }
+}
+
+/// Bytes of `module`'s gradients in `grads`.
+pub fn gradient_bytes<AB, M>(module: &M, grads: &GradientsParams) -> u64
+where
+    AB: AutodiffBackend,
+    M: AutodiffModule<AB>,
+{
+    GradList::<AB::InnerBackend>::peek::<AB, M>(module, grads).bytes()
+}
+
+/// Clips `module`'s gradients in `grads` to a global L2 norm of `max_norm`, on the device;
+/// returns the norm before clipping. See [`GradList::clip_by_global_norm`].
+pub fn clip_by_global_norm<AB, M>(
+    module: &M,
+    grads: &mut GradientsParams,
+    max_norm: f32,
+) -> Option<Tensor<AB::InnerBackend, 1>>
+where
+    AB: AutodiffBackend,
+    M: AutodiffModule<AB>,
+{
+    let mut list = GradList::take::<AB, M>(module, grads);
+    let norm = list.clip_by_global_norm(max_norm);
+    list.put::<AB, M>(module, grads);
+    norm
+}
+
+fn flat<B: Backend>(t: FloatTensor<B>) -> Tensor<B, 1> {
+    let n = t.shape().num_elements();
+    Tensor::<B, 1>::from_primitive(TensorPrimitive::Float(B::float_reshape(t, [n].into())))
+}
+
+pub(crate) fn primitive<B: Backend, const D: usize>(t: Tensor<B, D>) -> FloatTensor<B> {
+    t.into_primitive().tensor()
+}
+
+pub(crate) fn tensor<B: Backend, const D: usize>(t: FloatTensor<B>) -> Tensor<B, D> {
+    Tensor::from_primitive(TensorPrimitive::Float(t))
+}

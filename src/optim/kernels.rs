@@ -1,0 +1,539 @@
+//! The fused optimizer steps as [`OptimKernels`]: unscale, skip-on-overflow and the update of
+//! one parameter in one pass, with f32 state and f32 math whatever the parameter's dtype.
+//! Burn-op defaults for every backend ([`fallback`]), CubeCL kernels on `CubeBackend`, fusion
+//! custom ops on `Fusion`.
+
+use burn_backend::tensor::FloatTensor;
+use burn_backend::{Backend, DType, TensorMetadata};
+use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElement};
+use burn_fusion::{Fusion, FusionBackend};
+
+use super::{FusedAdamWConfig, FusedSgdConfig};
+use crate::kernels::cube::{
+    address_type, assert_f32, assert_same_shape, elemwise_dims, empty_scalar_f32, output_for,
+    scalar_f32, vector_size,
+};
+use crate::kernels::cubecl_kernels::optim as k;
+use crate::kernels::{fusion, kernels_for_flex_and_amp};
+
+/// The loss scaler's signals for one step, as the kernels read them on the device.
+#[derive(Debug, Clone)]
+pub struct Scaling<T> {
+    /// f32 `[1]`: the gradients are multiplied by it (1 when they are not scaled).
+    pub inv_scale: T,
+    /// f32 `[1]`, 0 or 1: when 1 the step is skipped, every output equal to its input.
+    pub found_inf: T,
+}
+
+/// One parameter's AdamW state: f32 moments of the parameter's shape, and the f32 `[1]` count
+/// of the steps applied to it (skipped steps do not count).
+#[derive(Debug, Clone)]
+pub struct AdamWMoments<T> {
+    /// First moment.
+    pub exp_avg: T,
+    /// Second moment.
+    pub exp_avg_sq: T,
+    /// Steps applied.
+    pub step: T,
+}
+
+/// One parameter's SGD momentum: the f32 velocity, and the f32 `[1]` count of the steps
+/// applied (0: the next step sets the velocity to the gradient, as PyTorch's first step).
+#[derive(Debug, Clone)]
+pub struct Velocity<T> {
+    /// The momentum buffer.
+    pub velocity: T,
+    /// Steps applied.
+    pub step: T,
+}
+
+/// The fused optimizer kernels. See the [module docs](self).
+pub trait OptimKernels: Backend {
+    /// One AdamW step on one parameter, skipped bit for bit (state and count included) when
+    /// `found_inf[0] != 0`. The gradient is multiplied by `inv_scale[0]` inside; the math is
+    /// f32 and only the result is rounded to the parameter's dtype.
+    fn adamw_step(
+        param: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+        state: AdamWMoments<FloatTensor<Self>>,
+        scaling: Scaling<FloatTensor<Self>>,
+        lr: f32,
+        config: &FusedAdamWConfig,
+    ) -> (FloatTensor<Self>, AdamWMoments<FloatTensor<Self>>) {
+        fallback::adamw_step::<Self>(param, grad, state, scaling, lr, config)
+    }
+
+    /// One SGD step, with a velocity when the config has momentum (`None` otherwise), skipped
+    /// bit for bit on overflow.
+    fn sgd_step(
+        param: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+        velocity: Option<Velocity<FloatTensor<Self>>>,
+        scaling: Scaling<FloatTensor<Self>>,
+        lr: f32,
+        config: &FusedSgdConfig,
+    ) -> (FloatTensor<Self>, Option<Velocity<FloatTensor<Self>>>) {
+        fallback::sgd_step::<Self>(param, grad, velocity, scaling, lr, config)
+    }
+}
+
+kernels_for_flex_and_amp!(OptimKernels {
+    fn adamw_step(param: FloatTensor<Self>, grad: FloatTensor<Self>, state: AdamWMoments<FloatTensor<Self>>, scaling: Scaling<FloatTensor<Self>>, lr: f32, config: &FusedAdamWConfig) -> (FloatTensor<Self>, AdamWMoments<FloatTensor<Self>>);
+    fn sgd_step(param: FloatTensor<Self>, grad: FloatTensor<Self>, velocity: Option<Velocity<FloatTensor<Self>>>, scaling: Scaling<FloatTensor<Self>>, lr: f32, config: &FusedSgdConfig) -> (FloatTensor<Self>, Option<Velocity<FloatTensor<Self>>>);
+});
+
+/// The same constants for the kernel and the fallback: f64 math, rounded to f32 once.
+struct AdamWConstants {
+    one_minus_beta1: f32,
+    one_minus_beta2: f32,
+    ln_beta1: f32,
+    ln_beta2: f32,
+    decay: f32,
+}
+
+impl AdamWConstants {
+    fn new(lr: f32, c: &FusedAdamWConfig) -> Self {
+        Self {
+            one_minus_beta1: (1.0 - c.beta_1 as f64) as f32,
+            one_minus_beta2: (1.0 - c.beta_2 as f64) as f32,
+            ln_beta1: (c.beta_1 as f64).ln() as f32,
+            ln_beta2: (c.beta_2 as f64).ln() as f32,
+            decay: (1.0 - (lr * c.weight_decay) as f64) as f32,
+        }
+    }
+}
+
+/// The fused steps composed from plain burn ops: the reference the CubeCL kernels are tested
+/// against, and what non-CubeCL backends run. None of them reads back to the host.
+pub mod fallback {
+    use burn_backend::tensor::FloatTensor;
+    use burn_backend::{Backend, TensorMetadata, get_device_settings};
+    use burn_std::{FloatDType, Shape};
+
+    use super::{AdamWConstants, AdamWMoments, Scaling, Velocity};
+    use crate::optim::{FusedAdamWConfig, FusedSgdConfig};
+    use crate::scaler::kernels::fallback::{s, select, to_f32};
+
+    /// `found_inf` broadcast to `shape`, as the skip mask.
+    fn skip_mask<B: Backend>(
+        found_inf: &FloatTensor<B>,
+        shape: &Shape,
+    ) -> burn_backend::tensor::BoolTensor<B> {
+        let device = B::float_device(found_inf);
+        let bool_dtype = get_device_settings::<B>(&device).bool_dtype;
+        let flag = broadcast::<B>(found_inf.clone(), shape);
+        B::float_greater_elem(flag, s(0.5), bool_dtype)
+    }
+
+    /// A `[1]` tensor broadcast to `shape`.
+    fn broadcast<B: Backend>(t: FloatTensor<B>, shape: &Shape) -> FloatTensor<B> {
+        let ones = vec![1; shape.num_dims()];
+        B::float_expand(B::float_reshape(t, Shape::from(ones)), shape.clone())
+    }
+
+    /// `count + 1 - found_inf`: the count after this step.
+    fn next_count<B: Backend>(step: FloatTensor<B>, found_inf: FloatTensor<B>) -> FloatTensor<B> {
+        let applied = B::float_add_scalar(B::float_neg(found_inf), s(1.0));
+        B::float_add(step, applied)
+    }
+
+    fn to_dtype<B: Backend>(t: FloatTensor<B>, dtype: burn_std::DType) -> FloatTensor<B> {
+        if t.dtype() == dtype {
+            t
+        } else {
+            B::float_cast(t, dtype.into())
+        }
+    }
+
+    /// See [`OptimKernels::adamw_step`](super::OptimKernels::adamw_step).
+    pub fn adamw_step<B: Backend>(
+        param: FloatTensor<B>,
+        grad: FloatTensor<B>,
+        state: AdamWMoments<FloatTensor<B>>,
+        scaling: Scaling<FloatTensor<B>>,
+        lr: f32,
+        c: &FusedAdamWConfig,
+    ) -> (FloatTensor<B>, AdamWMoments<FloatTensor<B>>) {
+        let shape = param.shape();
+        if shape.num_elements() == 0 {
+            return (param, state);
+        }
+        let k = AdamWConstants::new(lr, c);
+        let dtype = param.dtype();
+        let AdamWMoments {
+            exp_avg,
+            exp_avg_sq,
+            step,
+        } = state;
+        let p = to_f32::<B>(param.clone());
+        let g = B::float_mul(to_f32::<B>(grad), broadcast::<B>(scaling.inv_scale, &shape));
+        let m = B::float_add(
+            B::float_mul_scalar(exp_avg.clone(), s(c.beta_1 as f64)),
+            B::float_mul_scalar(g.clone(), s(k.one_minus_beta1 as f64)),
+        );
+        let v = B::float_add(
+            B::float_mul_scalar(exp_avg_sq.clone(), s(c.beta_2 as f64)),
+            B::float_mul_scalar(B::float_mul(g.clone(), g), s(k.one_minus_beta2 as f64)),
+        );
+        // Bias corrections from this parameter's count, this step included:
+        // 1 - beta^t = 1 - exp(t ln beta).
+        let t = broadcast::<B>(B::float_add_scalar(step.clone(), s(1.0)), &shape);
+        let bc1 = B::float_neg(B::float_sub_scalar(
+            B::float_exp(B::float_mul_scalar(t.clone(), s(k.ln_beta1 as f64))),
+            s(1.0),
+        ));
+        let bc2 = B::float_neg(B::float_sub_scalar(
+            B::float_exp(B::float_mul_scalar(t, s(k.ln_beta2 as f64))),
+            s(1.0),
+        ));
+        let m_hat = B::float_div(m.clone(), bc1);
+        let v_hat = B::float_div(v.clone(), bc2);
+        let update = B::float_div(
+            m_hat,
+            B::float_add_scalar(B::float_sqrt(v_hat), s(c.epsilon as f64)),
+        );
+        let decayed = B::float_mul_scalar(p, s(k.decay as f64));
+        let new_p = B::float_sub(decayed, B::float_mul_scalar(update, s(lr as f64)));
+        let new_p = to_dtype::<B>(new_p, dtype);
+        let skip = skip_mask::<B>(&scaling.found_inf, &shape);
+        let state = AdamWMoments {
+            exp_avg: B::float_mask_where(m, skip.clone(), exp_avg),
+            exp_avg_sq: B::float_mask_where(v, skip.clone(), exp_avg_sq),
+            step: next_count::<B>(step, scaling.found_inf),
+        };
+        (B::float_mask_where(new_p, skip, param), state)
+    }
+
+    /// See [`OptimKernels::sgd_step`](super::OptimKernels::sgd_step).
+    pub fn sgd_step<B: Backend>(
+        param: FloatTensor<B>,
+        grad: FloatTensor<B>,
+        velocity: Option<Velocity<FloatTensor<B>>>,
+        scaling: Scaling<FloatTensor<B>>,
+        lr: f32,
+        c: &FusedSgdConfig,
+    ) -> (FloatTensor<B>, Option<Velocity<FloatTensor<B>>>) {
+        let shape = param.shape();
+        if shape.num_elements() == 0 {
+            return (param, velocity);
+        }
+        let dtype = param.dtype();
+        let p = to_f32::<B>(param.clone());
+        let mut g = B::float_mul(to_f32::<B>(grad), broadcast::<B>(scaling.inv_scale, &shape));
+        if c.weight_decay != 0.0 {
+            g = B::float_add(g, B::float_mul_scalar(p.clone(), s(c.weight_decay as f64)));
+        }
+        let skip = skip_mask::<B>(&scaling.found_inf, &shape);
+        let velocity = match velocity.filter(|_| c.momentum != 0.0) {
+            None => None,
+            Some(Velocity { velocity, step }) => {
+                let continued = B::float_add(
+                    B::float_mul_scalar(velocity.clone(), s(c.momentum as f64)),
+                    B::float_mul_scalar(g.clone(), s(1.0 - c.dampening as f64)),
+                );
+                // PyTorch: the first applied step's buffer is the gradient itself.
+                let started = broadcast::<B>(step.clone(), &shape);
+                let b = select::<B>(started, continued, g.clone());
+                g = if c.nesterov {
+                    B::float_add(g, B::float_mul_scalar(b.clone(), s(c.momentum as f64)))
+                } else {
+                    b.clone()
+                };
+                Some(Velocity {
+                    velocity: B::float_mask_where(b, skip.clone(), velocity),
+                    step: next_count::<B>(step, scaling.found_inf),
+                })
+            }
+        };
+        let new_p = B::float_sub(p, B::float_mul_scalar(g, s(lr as f64)));
+        let new_p = to_dtype::<B>(new_p, dtype);
+        (B::float_mask_where(new_p, skip, param), velocity)
+    }
+
+    /// Zeros of `like`'s shape in f32, on its device: a new moment or velocity.
+    pub(crate) fn zeros_f32<B: Backend>(like: &FloatTensor<B>) -> FloatTensor<B> {
+        B::float_zeros(like.shape(), &B::float_device(like), FloatDType::F32)
+    }
+
+    /// An f32 `[1]` zero on `like`'s device: a new step count.
+    pub(crate) fn zero_count<B: Backend>(like: &FloatTensor<B>) -> FloatTensor<B> {
+        B::float_zeros(Shape::new([1]), &B::float_device(like), FloatDType::F32)
+    }
+}
+
+impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> OptimKernels
+    for CubeBackend<R, F, I, BT>
+{
+    fn adamw_step(
+        param: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+        state: AdamWMoments<FloatTensor<Self>>,
+        scaling: Scaling<FloatTensor<Self>>,
+        lr: f32,
+        c: &FusedAdamWConfig,
+    ) -> (FloatTensor<Self>, AdamWMoments<FloatTensor<Self>>) {
+        if param.meta.num_elements() == 0 {
+            return (param, state);
+        }
+        let AdamWMoments {
+            exp_avg,
+            exp_avg_sq,
+            step,
+        } = state;
+        assert_same_shape(&param, &grad, "the gradient");
+        assert_same_shape(&param, &exp_avg, "exp_avg");
+        assert_same_shape(&param, &exp_avg_sq, "exp_avg_sq");
+        assert_f32(&exp_avg, "exp_avg");
+        assert_f32(&exp_avg_sq, "exp_avg_sq");
+        let step = scalar_f32(step, "the step count");
+        let inv_scale = scalar_f32(scaling.inv_scale, "inv_scale");
+        let found = scalar_f32(scaling.found_inf, "found_inf");
+        let k = AdamWConstants::new(lr, c);
+
+        let client = param.client.clone();
+        let vs = vector_size(&[&param, &grad, &exp_avg, &exp_avg_sq]);
+        let (count, dim) = elemwise_dims(&client, param.meta.num_elements(), vs);
+        let dtypes = [param.dtype.into(), grad.dtype.into()];
+        // Argument positions of the aliased inputs: param 0, exp_avg 2, exp_avg_sq 3.
+        let (p_out, p_view) = output_for(&param, 0);
+        let (m_out, m_view) = output_for(&exp_avg, 2);
+        let (v_out, v_view) = output_for(&exp_avg_sq, 3);
+        let step_out = empty_scalar_f32(&param);
+        let addr = address_type(&[&param, &grad, &exp_avg, &exp_avg_sq, &p_out, &m_out, &v_out]);
+        // SAFETY: every access is `ABSOLUTE_POS` behind the output's bounds check, on views of
+        // the parameter's shape (asserted), or `[0]` of the f32 `[1]` device scalars.
+        unsafe {
+            k::adamw_kernel::launch_unchecked(
+                &client,
+                count,
+                dim,
+                addr,
+                vs,
+                param.into_linear_view(),
+                grad.into_linear_view(),
+                exp_avg.into_linear_view(),
+                exp_avg_sq.into_linear_view(),
+                step.into_tensor_arg(),
+                inv_scale.into_tensor_arg(),
+                found.into_tensor_arg(),
+                p_view,
+                m_view,
+                v_view,
+                step_out.clone().into_tensor_arg(),
+                lr,
+                c.beta_1,
+                c.beta_2,
+                k.one_minus_beta1,
+                k.one_minus_beta2,
+                k.ln_beta1,
+                k.ln_beta2,
+                c.epsilon,
+                k.decay,
+                dtypes,
+            )
+        };
+        let state = AdamWMoments {
+            exp_avg: m_out,
+            exp_avg_sq: v_out,
+            step: step_out,
+        };
+        (p_out, state)
+    }
+
+    fn sgd_step(
+        param: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+        velocity: Option<Velocity<FloatTensor<Self>>>,
+        scaling: Scaling<FloatTensor<Self>>,
+        lr: f32,
+        c: &FusedSgdConfig,
+    ) -> (FloatTensor<Self>, Option<Velocity<FloatTensor<Self>>>) {
+        if param.meta.num_elements() == 0 {
+            return (param, velocity);
+        }
+        assert_same_shape(&param, &grad, "the gradient");
+        let inv_scale = scalar_f32(scaling.inv_scale, "inv_scale");
+        let found = scalar_f32(scaling.found_inf, "found_inf");
+        let client = param.client.clone();
+        let dtypes = [param.dtype.into(), grad.dtype.into()];
+        let has_wd = c.weight_decay != 0.0;
+
+        let Some(Velocity { velocity, step }) = velocity.filter(|_| c.momentum != 0.0) else {
+            // As the fallback: no velocity without momentum (one passed in is dropped).
+            let vs = vector_size(&[&param, &grad]);
+            let (count, dim) = elemwise_dims(&client, param.meta.num_elements(), vs);
+            let (p_out, p_view) = output_for(&param, 0);
+            let addr = address_type(&[&param, &grad, &p_out]);
+            // SAFETY: as in `adamw_step`.
+            unsafe {
+                k::sgd_kernel::launch_unchecked(
+                    &client,
+                    count,
+                    dim,
+                    addr,
+                    vs,
+                    param.into_linear_view(),
+                    grad.into_linear_view(),
+                    inv_scale.into_tensor_arg(),
+                    found.into_tensor_arg(),
+                    p_view,
+                    lr,
+                    c.weight_decay,
+                    has_wd,
+                    dtypes,
+                )
+            };
+            return (p_out, None);
+        };
+
+        assert_same_shape(&param, &velocity, "the velocity");
+        assert_f32(&velocity, "the velocity");
+        let step = scalar_f32(step, "the step count");
+        let vs = vector_size(&[&param, &grad, &velocity]);
+        let (count, dim) = elemwise_dims(&client, param.meta.num_elements(), vs);
+        // Argument positions of the aliased inputs: param 0, velocity 2.
+        let (p_out, p_view) = output_for(&param, 0);
+        let (b_out, b_view) = output_for(&velocity, 2);
+        let step_out = empty_scalar_f32(&param);
+        let addr = address_type(&[&param, &grad, &velocity, &p_out, &b_out]);
+        // SAFETY: as in `adamw_step`.
+        unsafe {
+            k::sgd_momentum_kernel::launch_unchecked(
+                &client,
+                count,
+                dim,
+                addr,
+                vs,
+                param.into_linear_view(),
+                grad.into_linear_view(),
+                velocity.into_linear_view(),
+                step.into_tensor_arg(),
+                inv_scale.into_tensor_arg(),
+                found.into_tensor_arg(),
+                p_view,
+                b_view,
+                step_out.clone().into_tensor_arg(),
+                lr,
+                c.weight_decay,
+                c.momentum,
+                (1.0 - c.dampening as f64) as f32,
+                has_wd,
+                c.nesterov,
+                dtypes,
+            )
+        };
+        let velocity = Velocity {
+            velocity: b_out,
+            step: step_out,
+        };
+        (p_out, Some(velocity))
+    }
+}
+
+impl<B: FusionBackend + OptimKernels> OptimKernels for Fusion<B> {
+    fn adamw_step(
+        param: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+        state: AdamWMoments<FloatTensor<Self>>,
+        scaling: Scaling<FloatTensor<Self>>,
+        lr: f32,
+        config: &FusedAdamWConfig,
+    ) -> (FloatTensor<Self>, AdamWMoments<FloatTensor<Self>>) {
+        if param.shape().num_elements() == 0 {
+            return (param, state);
+        }
+        let outputs = [
+            fusion::like::<B>(&param),
+            fusion::like::<B>(&state.exp_avg),
+            fusion::like::<B>(&state.exp_avg_sq),
+            (state.step.shape(), DType::F32),
+        ];
+        let inputs = vec![
+            param,
+            grad,
+            state.exp_avg,
+            state.exp_avg_sq,
+            state.step,
+            scaling.inv_scale,
+            scaling.found_inf,
+        ];
+        let config = config.clone();
+        let out = fusion::custom_op::<B, _>("burn_amp_adamw_step", inputs, &outputs, move |i| {
+            let [p, g, m, v, step, inv_scale, found_inf]: [_; 7] = i.try_into().ok().unwrap();
+            let state = AdamWMoments {
+                exp_avg: m,
+                exp_avg_sq: v,
+                step,
+            };
+            let scaling = Scaling {
+                inv_scale,
+                found_inf,
+            };
+            let (p, s) = B::adamw_step(p, g, state, scaling, lr, &config);
+            vec![p, s.exp_avg, s.exp_avg_sq, s.step]
+        });
+        let [p, exp_avg, exp_avg_sq, step]: [_; 4] = out.try_into().ok().unwrap();
+        let state = AdamWMoments {
+            exp_avg,
+            exp_avg_sq,
+            step,
+        };
+        (p, state)
+    }
+
+    fn sgd_step(
+        param: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+        velocity: Option<Velocity<FloatTensor<Self>>>,
+        scaling: Scaling<FloatTensor<Self>>,
+        lr: f32,
+        config: &FusedSgdConfig,
+    ) -> (FloatTensor<Self>, Option<Velocity<FloatTensor<Self>>>) {
+        if param.shape().num_elements() == 0 {
+            return (param, velocity);
+        }
+        // As the fallback: without momentum no velocity is used or returned.
+        let velocity = velocity.filter(|_| config.momentum != 0.0);
+        let mut outputs = vec![fusion::like::<B>(&param)];
+        let mut inputs = vec![param, grad, scaling.inv_scale, scaling.found_inf];
+        let has_velocity = velocity.is_some();
+        if let Some(v) = velocity {
+            outputs.push(fusion::like::<B>(&v.velocity));
+            outputs.push((v.step.shape(), DType::F32));
+            inputs.push(v.velocity);
+            inputs.push(v.step);
+        }
+        let config = config.clone();
+        let mut out = fusion::custom_op::<B, _>("burn_amp_sgd_step", inputs, &outputs, move |i| {
+            let mut i = i.into_iter();
+            let (p, g, inv_scale, found_inf) = (
+                i.next().unwrap(),
+                i.next().unwrap(),
+                i.next().unwrap(),
+                i.next().unwrap(),
+            );
+            let velocity = i.next().map(|velocity| Velocity {
+                velocity,
+                step: i.next().unwrap(),
+            });
+            let scaling = Scaling {
+                inv_scale,
+                found_inf,
+            };
+            let (p, v) = B::sgd_step(p, g, velocity, scaling, lr, &config);
+            let mut out = vec![p];
+            if let Some(v) = v {
+                out.push(v.velocity);
+                out.push(v.step);
+            }
+            out
+        })
+        .into_iter();
+        let p = out.next().unwrap();
+        let velocity = has_velocity.then(|| Velocity {
+            velocity: out.next().unwrap(),
+            step: out.next().unwrap(),
+        });
+        (p, velocity)
+    }
+}

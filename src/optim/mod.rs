@@ -1,0 +1,107 @@
+//! Fused optimizers: unscale, skip-on-overflow and the update of a parameter in one kernel,
+//! reading the loss scaler's device tensors there, so a scaled step makes no host read.
+//!
+//! Built the way burn-optim builds its own: the per-tensor math is a Burn
+//! [`SimpleOptimizer`] with a typed per-parameter state ([`FusedAdamW`], [`FusedSgd`]), and one
+//! adaptor ([`ScaledAdaptor`]) does the traversal, the devices, gradient clipping and the
+//! records (Burn's `AdaptorRecord`), handing each parameter the step's scale signals. Both
+//! optimizers also work inside Burn's own `OptimizerAdaptor`, unscaled.
+//!
+//! State is f32 whatever the parameter's dtype, and every parameter keeps its own step count
+//! (a device scalar: skipped steps do not count), as PyTorch and Burn do. The update is
+//! computed in f32 and rounded once to the parameter's dtype: a half-precision parameter has
+//! **no f32 master copy**, so updates smaller than its rounding step are lost. Keep trainable
+//! parameters in f32 (what `Amp<B>` does: it casts per op) unless memory forces otherwise.
+
+mod adamw;
+mod adaptor;
+pub mod kernels;
+mod sgd;
+
+use burn::optim::LearningRate;
+use burn::optim::SimpleOptimizer;
+use burn::prelude::*;
+use burn_backend::tensor::FloatTensor;
+use thiserror::Error;
+
+pub use adamw::{FusedAdamW, FusedAdamWConfig, FusedAdamWState};
+pub use adaptor::ScaledAdaptor;
+pub use kernels::{OptimKernels, Scaling};
+pub use sgd::{FusedSgd, FusedSgdConfig, FusedSgdState};
+
+/// A [`SimpleOptimizer`] whose step also takes the loss scaler's device signals: the
+/// gradient is multiplied by `inv_scale` inside, and nothing changes when `found_inf` is set.
+pub trait ScaledSimpleOptimizer<B: Backend>: SimpleOptimizer<B> {
+    /// One parameter's step. With `scaling` of `inv_scale = 1, found_inf = 0` this is
+    /// [`SimpleOptimizer::step`].
+    fn step_scaled<const D: usize>(
+        &self,
+        lr: LearningRate,
+        tensor: Tensor<B, D>,
+        grad: Tensor<B, D>,
+        state: Option<Self::State<D>>,
+        scaling: Scaling<FloatTensor<B>>,
+    ) -> (Tensor<B, D>, Option<Self::State<D>>);
+
+    /// Bytes held by one parameter's state.
+    fn state_bytes<const D: usize>(state: &Self::State<D>) -> u64;
+}
+
+/// A fused optimizer's configuration that cannot run.
+#[derive(Debug, Clone, PartialEq, Error)]
+pub enum OptimError {
+    /// A value out of range.
+    #[error("invalid {optimizer} config: {field} = {value}, expected {expected}")]
+    InvalidConfig {
+        /// The optimizer.
+        optimizer: &'static str,
+        /// The field.
+        field: &'static str,
+        /// Its value.
+        value: f64,
+        /// What is allowed.
+        expected: &'static str,
+    },
+}
+
+/// The neutral signals (`inv_scale = 1`, `found_inf = 0`) on `device`.
+pub(crate) fn unscaled<B: Backend>(device: &B::Device) -> Scaling<FloatTensor<B>> {
+    let f32 = (device, burn::tensor::DType::F32);
+    Scaling {
+        inv_scale: Tensor::<B, 1>::ones([1], f32).into_primitive().tensor(),
+        found_inf: Tensor::<B, 1>::zeros([1], f32).into_primitive().tensor(),
+    }
+}
+
+/// Checks that `value` lies in `range`, naming the field otherwise.
+pub(crate) fn check_range(
+    optimizer: &'static str,
+    field: &'static str,
+    value: f32,
+    ok: bool,
+    expected: &'static str,
+) -> Result<(), OptimError> {
+    if ok && value.is_finite() {
+        Ok(())
+    } else {
+        Err(OptimError::InvalidConfig {
+            optimizer,
+            field,
+            value: value as f64,
+            expected,
+        })
+    }
+}
+
+fn bytes<B: Backend, const D: usize>(t: &Tensor<B, D>) -> u64 {
+    (t.shape().num_elements() * t.dtype().size()) as u64
+}
+
+/// `t` as f32 (a record loaded on a device whose default float is not f32 comes back in it).
+fn as_f32<B: Backend, const D: usize>(t: Tensor<B, D>) -> Tensor<B, D> {
+    if t.dtype() == burn::tensor::DType::F32 {
+        t
+    } else {
+        t.cast(burn::tensor::DType::F32)
+    }
+}

@@ -1,0 +1,156 @@
+//! SGD (optional momentum, dampening, Nesterov, L2 weight decay) as one
+//! [`OptimKernels::sgd_step`] per parameter.
+
+use burn::config::Config;
+use burn::module::AutodiffModule;
+use burn::optim::grad_clipping::GradientClippingConfig;
+use burn::optim::{LearningRate, SimpleOptimizer};
+use burn::prelude::*;
+use burn::record::Record;
+use burn::tensor::backend::AutodiffBackend;
+
+use super::kernels::{OptimKernels, Scaling, Velocity, fallback};
+use super::{OptimError, ScaledAdaptor, ScaledSimpleOptimizer, as_f32, bytes, check_range};
+use crate::grads::{primitive, tensor};
+use burn_backend::tensor::FloatTensor;
+
+/// Configuration of [`FusedSgd`]. The defaults are PyTorch's `SGD` (Burn's `MomentumConfig`
+/// defaults to a dampening of 0.1).
+#[derive(Config, Debug)]
+pub struct FusedSgdConfig {
+    /// Momentum, ≥ 0 (0 for plain SGD: no state).
+    #[config(default = 0.0)]
+    pub momentum: f32,
+    /// Dampening of the momentum, in [0, 1].
+    #[config(default = 0.0)]
+    pub dampening: f32,
+    /// L2 weight decay, added to the gradient, ≥ 0.
+    #[config(default = 0.0)]
+    pub weight_decay: f32,
+    /// Nesterov momentum: needs momentum > 0 and dampening 0, as in PyTorch.
+    #[config(default = false)]
+    pub nesterov: bool,
+    /// Gradient clipping, applied per parameter to unscaled gradients (Burn's semantics).
+    pub grad_clipping: Option<GradientClippingConfig>,
+}
+
+impl FusedSgdConfig {
+    /// Checks the values; the error names the field and says what is allowed.
+    pub fn validate(&self) -> Result<(), OptimError> {
+        let name = "FusedSgd";
+        check_range(name, "momentum", self.momentum, self.momentum >= 0.0, "a finite number >= 0")?;
+        check_range(
+            name,
+            "dampening",
+            self.dampening,
+            (0.0..=1.0).contains(&self.dampening),
+            "a number in [0, 1]",
+        )?;
+        check_range(
+            name,
+            "weight_decay",
+            self.weight_decay,
+            self.weight_decay >= 0.0,
+            "a finite number >= 0",
+        )?;
+        if self.nesterov {
+            check_range(name, "momentum", self.momentum, self.momentum > 0.0, "> 0 with nesterov")?;
+            check_range(name, "dampening", self.dampening, self.dampening == 0.0, "0 with nesterov")?;
+        }
+        Ok(())
+    }
+
+    /// The optimizer for module `M`, with empty state.
+    pub fn init<B: AutodiffBackend, M: AutodiffModule<B>>(
+        &self,
+    ) -> Result<ScaledAdaptor<FusedSgd, M, B>, OptimError>
+    where
+        B::InnerBackend: OptimKernels,
+    {
+        self.validate()?;
+        let clipping = self.grad_clipping.as_ref().map(|c| c.init());
+        Ok(ScaledAdaptor::new(FusedSgd {
+            config: self.clone(),
+        })
+        .with_grad_clipping(clipping))
+    }
+}
+
+/// SGD whose step is one fused kernel per parameter. See the [module docs](super).
+#[derive(Clone, Debug)]
+pub struct FusedSgd {
+    config: FusedSgdConfig,
+}
+
+impl FusedSgd {
+    /// The configuration.
+    pub fn config(&self) -> &FusedSgdConfig {
+        &self.config
+    }
+}
+
+/// One parameter's [`FusedSgd`] state: only with momentum.
+#[derive(Record, Clone, Debug)]
+pub struct FusedSgdState<B: Backend, const D: usize> {
+    /// The momentum buffer, f32.
+    pub velocity: Tensor<B, D>,
+    /// Steps applied to this parameter, f32 `[1]` on the device (0: the next step sets the
+    /// velocity to the gradient).
+    pub step: Tensor<B, 1>,
+}
+
+impl<B: OptimKernels> SimpleOptimizer<B> for FusedSgd {
+    type State<const D: usize> = FusedSgdState<B, D>;
+
+    fn step<const D: usize>(
+        &self,
+        lr: LearningRate,
+        value: Tensor<B, D>,
+        grad: Tensor<B, D>,
+        state: Option<Self::State<D>>,
+    ) -> (Tensor<B, D>, Option<Self::State<D>>) {
+        let scaling = super::unscaled::<B>(&value.device());
+        self.step_scaled(lr, value, grad, state, scaling)
+    }
+
+    fn to_device<const D: usize>(state: Self::State<D>, device: &B::Device) -> Self::State<D> {
+        FusedSgdState {
+            velocity: state.velocity.to_device(device),
+            step: state.step.to_device(device),
+        }
+    }
+}
+
+impl<B: OptimKernels> ScaledSimpleOptimizer<B> for FusedSgd {
+    fn step_scaled<const D: usize>(
+        &self,
+        lr: LearningRate,
+        value: Tensor<B, D>,
+        grad: Tensor<B, D>,
+        state: Option<Self::State<D>>,
+        scaling: Scaling<FloatTensor<B>>,
+    ) -> (Tensor<B, D>, Option<Self::State<D>>) {
+        let param = primitive(value);
+        let velocity = (self.config.momentum != 0.0).then(|| match state {
+            Some(s) => Velocity {
+                velocity: primitive(as_f32(s.velocity)),
+                step: primitive(as_f32(s.step)),
+            },
+            None => Velocity {
+                velocity: fallback::zeros_f32::<B>(&param),
+                step: fallback::zero_count::<B>(&param),
+            },
+        });
+        let (param, velocity) =
+            B::sgd_step(param, primitive(grad), velocity, scaling, lr as f32, &self.config);
+        let state = velocity.map(|v| FusedSgdState {
+            velocity: tensor(v.velocity),
+            step: tensor(v.step),
+        });
+        (tensor(param), state)
+    }
+
+    fn state_bytes<const D: usize>(state: &Self::State<D>) -> u64 {
+        bytes(&state.velocity) + bytes(&state.step)
+    }
+}
