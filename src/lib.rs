@@ -5,7 +5,7 @@
 //!
 //! - [`Amp<B>`]: a decorator backend applying autocast (f16/bf16 for matmul, conv and
 //!   attention; f32 for exp, log, softmax, reductions and norms; promotion for mixed dtypes).
-//!   The policy is one table: [`autocast::policy`].
+//!   The policy is one table: [`backend::policy`].
 //! - [`Precision`] and [`autocast()`]: the per-thread precision, with a scoped override.
 //! - [`GradScaler`](scaler::GradScaler): dynamic loss scaling whose skip and update stay on
 //!   the device; `scaler.step(&mut optim, ..)` is the one call for every optimizer
@@ -28,7 +28,7 @@
 #![warn(missing_docs)]
 
 pub mod accumulate;
-pub mod autocast;
+pub mod backend;
 pub mod error;
 pub mod frozen;
 pub mod grads;
@@ -39,7 +39,7 @@ pub mod precision;
 pub mod scaler;
 
 pub use accumulate::{GradientAccumulation, GradientAccumulationConfig, Reduction};
-pub use autocast::{Amp, host_reads};
+pub use backend::{Amp, host_reads};
 pub use error::AmpError;
 pub use frozen::{Frozen, freeze};
 pub use kernels::AmpKernels;

@@ -61,7 +61,7 @@ impl Precision {
     /// The setting in force on this thread: `None` means "the device's default"
     /// ([`Precision::default_for`]), which is what a thread starts with.
     pub fn current() -> Option<Precision> {
-        STATE.with(|s| s.get())
+        thread_state().precision
     }
 
     /// The precision that autocast uses on this thread for `device`.
@@ -95,8 +95,53 @@ impl core::str::FromStr for Precision {
     }
 }
 
+/// The thread's autocast setting, and the low dtype last resolved under it: one read of this
+/// thread-local gives a lowered op both, so an op whose dtype is already resolved for its
+/// backend and device costs no other lookup.
+#[derive(Clone, Copy)]
+pub(crate) struct ThreadState {
+    pub(crate) precision: Option<Precision>,
+    pub(crate) resolved: Option<Resolved>,
+}
+
+/// A low dtype resolved (and its device support checked) for one backend, device and setting.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Resolved {
+    pub(crate) backend: core::any::TypeId,
+    pub(crate) device: burn_std::device::DeviceId,
+    pub(crate) asked: Option<Precision>,
+    pub(crate) low: Option<FloatDType>,
+}
+
 thread_local! {
-    static STATE: Cell<Option<Precision>> = const { Cell::new(None) };
+    static STATE: Cell<ThreadState> = const {
+        Cell::new(ThreadState { precision: None, resolved: None })
+    };
+}
+
+/// This thread's setting and last resolution, in one thread-local read.
+#[inline(always)]
+pub(crate) fn thread_state() -> ThreadState {
+    STATE.with(|s| s.get())
+}
+
+/// Remembers a resolution for the next ops of this thread.
+#[cold]
+pub(crate) fn remember(resolved: Resolved) {
+    STATE.with(|s| {
+        let mut state = s.get();
+        state.resolved = Some(resolved);
+        s.set(state);
+    })
+}
+
+fn set_precision(precision: Option<Precision>) -> Option<Precision> {
+    STATE.with(|s| {
+        let mut state = s.get();
+        let previous = core::mem::replace(&mut state.precision, precision);
+        s.set(state);
+        previous
+    })
 }
 
 /// Sets the autocast precision of this thread until the returned guard is dropped.
@@ -115,7 +160,7 @@ thread_local! {
 #[must_use = "autocast is restored when the guard is dropped; bind it with `let _g = ...`"]
 pub fn autocast(precision: Precision) -> AutocastGuard {
     AutocastGuard {
-        previous: STATE.with(|s| s.replace(Some(precision))),
+        previous: set_precision(Some(precision)),
         _not_send: core::marker::PhantomData,
     }
 }
@@ -130,7 +175,7 @@ pub struct AutocastGuard {
 
 impl Drop for AutocastGuard {
     fn drop(&mut self) {
-        STATE.with(|s| s.set(self.previous));
+        set_precision(self.previous);
     }
 }
 

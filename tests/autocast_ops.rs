@@ -6,7 +6,7 @@ mod common;
 use std::collections::BTreeSet;
 
 use burn::backend::{Flex, Wgpu};
-use burn_amp::autocast::{Category, Op};
+use burn_amp::backend::{Category, Op};
 use burn_amp::{Amp, Precision, autocast};
 use burn_backend::ops::FloatTensorOps;
 use burn_backend::{Backend, TensorData};
@@ -277,6 +277,18 @@ fn categories_match_the_shared_policy() {
         (Op::embedding, Pass),
         (Op::float_cast, Pass),
         (Op::conv2d_weight_backward, Pass),
+        // Moved to f32: average pooling (kernels sum in the element type), deformable
+        // convolution (sampling coordinates), sigmoid (probabilities).
+        (Op::avg_pool1d, F32),
+        (Op::avg_pool2d, F32),
+        (Op::adaptive_avg_pool1d, F32),
+        (Op::adaptive_avg_pool2d, F32),
+        (Op::deform_conv2d, F32),
+        (Op::sigmoid, F32),
+        (Op::hard_sigmoid, Pass),
+        (Op::max_pool2d, Pass),
+        (Op::avg_pool2d_backward, Pass),
+        (Op::deform_conv2d_backward, Pass),
     ] {
         assert_eq!(op.category(), cat, "{}", op.name());
     }

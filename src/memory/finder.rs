@@ -10,10 +10,11 @@ use super::guard::GuardError;
 pub struct BatchPlan {
     /// The largest micro-batch that fits.
     pub micro_batch: usize,
-    /// Micro-steps per optimizer step: `ceil(target / micro_batch)`.
-    pub accumulation_steps: usize,
-    /// The last micro-batch of each window: `target - micro_batch * (steps - 1)`, so that
-    /// a window covers exactly the target.
+    /// Micro-batches per window (per optimizer step): `ceil(target / micro_batch)`, the
+    /// `micro_batches` of a `GradientAccumulationConfig`.
+    pub micro_batches: usize,
+    /// The last micro-batch of each window: `target - micro_batch * (micro_batches - 1)`, so
+    /// that a window covers exactly the target.
     pub last_micro_batch: usize,
     /// The peak measured at `micro_batch`, where known.
     pub peak_bytes: Option<u64>,
@@ -68,11 +69,11 @@ pub fn find_micro_batch(
         }
     }
     let micro_batch = fit.0;
-    let accumulation_steps = target.div_ceil(micro_batch);
+    let micro_batches = target.div_ceil(micro_batch);
     Ok(BatchPlan {
         micro_batch,
-        accumulation_steps,
-        last_micro_batch: target - micro_batch * (accumulation_steps - 1),
+        micro_batches,
+        last_micro_batch: target - micro_batch * (micro_batches - 1),
         peak_bytes: fit.1,
     })
 }

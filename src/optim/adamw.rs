@@ -9,7 +9,10 @@ use burn::record::Record;
 use burn::tensor::backend::AutodiffBackend;
 
 use super::kernels::{AdamWMoments, OptimKernels, Scaling, fallback};
-use super::{OptimError, ScaledAdaptor, ScaledSimpleOptimizer, as_f32, bytes, check_range};
+use super::{
+    OptimError, ScaledAdaptor, ScaledSimpleOptimizer, adaptor, as_f32, bytes, check_range,
+    simple_optimizer,
+};
 use crate::grads::{primitive, tensor};
 use burn_backend::tensor::FloatTensor;
 
@@ -57,11 +60,10 @@ impl FusedAdamWConfig {
         B::InnerBackend: OptimKernels,
     {
         self.validate()?;
-        let clipping = self.grad_clipping.as_ref().map(|c| c.init());
-        Ok(ScaledAdaptor::new(FusedAdamW {
+        let optim = FusedAdamW {
             config: self.clone(),
-        })
-        .with_grad_clipping(clipping))
+        };
+        Ok(adaptor(optim, &self.grad_clipping))
     }
 }
 
@@ -89,28 +91,7 @@ pub struct FusedAdamWState<B: Backend, const D: usize> {
     pub step: Tensor<B, 1>,
 }
 
-impl<B: OptimKernels> SimpleOptimizer<B> for FusedAdamW {
-    type State<const D: usize> = FusedAdamWState<B, D>;
-
-    fn step<const D: usize>(
-        &self,
-        lr: LearningRate,
-        value: Tensor<B, D>,
-        grad: Tensor<B, D>,
-        state: Option<Self::State<D>>,
-    ) -> (Tensor<B, D>, Option<Self::State<D>>) {
-        let scaling = super::unscaled::<B>(&value.device());
-        self.step_scaled(lr, value, grad, state, scaling)
-    }
-
-    fn to_device<const D: usize>(state: Self::State<D>, device: &B::Device) -> Self::State<D> {
-        FusedAdamWState {
-            exp_avg: state.exp_avg.to_device(device),
-            exp_avg_sq: state.exp_avg_sq.to_device(device),
-            step: state.step.to_device(device),
-        }
-    }
-}
+simple_optimizer!(FusedAdamW, FusedAdamWState { exp_avg, exp_avg_sq, step });
 
 impl<B: OptimKernels> ScaledSimpleOptimizer<B> for FusedAdamW {
     fn step_scaled<const D: usize>(

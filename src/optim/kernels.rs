@@ -4,6 +4,7 @@
 //! custom ops on `Fusion`.
 
 use burn_backend::tensor::FloatTensor;
+use derive_new::new;
 use burn_backend::{Backend, DType, TensorMetadata};
 use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElement};
 use burn_fusion::{Fusion, FusionBackend};
@@ -17,7 +18,7 @@ use crate::kernels::cubecl_kernels::optim as k;
 use crate::kernels::{fusion, kernels_for_flex_and_amp};
 
 /// The loss scaler's signals for one step, as the kernels read them on the device.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, new)]
 pub struct Scaling<T> {
     /// f32 `[1]`: the gradients are multiplied by it (1 when they are not scaled).
     pub inv_scale: T,
@@ -27,7 +28,7 @@ pub struct Scaling<T> {
 
 /// One parameter's AdamW state: f32 moments of the parameter's shape, and the f32 `[1]` count
 /// of the steps applied to it (skipped steps do not count).
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, new)]
 pub struct AdamWMoments<T> {
     /// First moment.
     pub exp_avg: T,
@@ -39,7 +40,7 @@ pub struct AdamWMoments<T> {
 
 /// One parameter's SGD momentum: the f32 velocity, and the f32 `[1]` count of the steps
 /// applied (0: the next step sets the velocity to the gradient, as PyTorch's first step).
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, new)]
 pub struct Velocity<T> {
     /// The momentum buffer.
     pub velocity: T,
@@ -160,11 +161,7 @@ pub mod fallback {
         }
         let k = AdamWConstants::new(lr, c);
         let dtype = param.dtype();
-        let AdamWMoments {
-            exp_avg,
-            exp_avg_sq,
-            step,
-        } = state;
+        let AdamWMoments { exp_avg, exp_avg_sq, step } = state;
         let p = to_f32::<B>(param.clone());
         let g = B::float_mul(to_f32::<B>(grad), broadcast::<B>(scaling.inv_scale, &shape));
         let m = B::float_add(
@@ -275,11 +272,7 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> OptimKerne
         if param.meta.num_elements() == 0 {
             return (param, state);
         }
-        let AdamWMoments {
-            exp_avg,
-            exp_avg_sq,
-            step,
-        } = state;
+        let AdamWMoments { exp_avg, exp_avg_sq, step } = state;
         assert_same_shape(&param, &grad, "the gradient");
         assert_same_shape(&param, &exp_avg, "exp_avg");
         assert_same_shape(&param, &exp_avg_sq, "exp_avg_sq");
@@ -332,11 +325,7 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> OptimKerne
                 dtypes,
             )
         };
-        let state = AdamWMoments {
-            exp_avg: m_out,
-            exp_avg_sq: v_out,
-            step: step_out,
-        };
+        let state = AdamWMoments::new(m_out, v_out, step_out);
         (p_out, state)
     }
 
@@ -422,10 +411,7 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> OptimKerne
                 dtypes,
             )
         };
-        let velocity = Velocity {
-            velocity: b_out,
-            step: step_out,
-        };
+        let velocity = Velocity::new(b_out, step_out);
         (p_out, Some(velocity))
     }
 }
@@ -460,24 +446,13 @@ impl<B: FusionBackend + OptimKernels> OptimKernels for Fusion<B> {
         let config = config.clone();
         let out = fusion::custom_op::<B, _>("burn_amp_adamw_step", inputs, &outputs, move |i| {
             let [p, g, m, v, step, inv_scale, found_inf]: [_; 7] = i.try_into().ok().unwrap();
-            let state = AdamWMoments {
-                exp_avg: m,
-                exp_avg_sq: v,
-                step,
-            };
-            let scaling = Scaling {
-                inv_scale,
-                found_inf,
-            };
+            let state = AdamWMoments::new(m, v, step);
+            let scaling = Scaling::new(inv_scale, found_inf);
             let (p, s) = B::adamw_step(p, g, state, scaling, lr, &config);
             vec![p, s.exp_avg, s.exp_avg_sq, s.step]
         });
         let [p, exp_avg, exp_avg_sq, step]: [_; 4] = out.try_into().ok().unwrap();
-        let state = AdamWMoments {
-            exp_avg,
-            exp_avg_sq,
-            step,
-        };
+        let state = AdamWMoments::new(exp_avg, exp_avg_sq, step);
         (p, state)
     }
 
@@ -512,14 +487,8 @@ impl<B: FusionBackend + OptimKernels> OptimKernels for Fusion<B> {
                 i.next().unwrap(),
                 i.next().unwrap(),
             );
-            let velocity = i.next().map(|velocity| Velocity {
-                velocity,
-                step: i.next().unwrap(),
-            });
-            let scaling = Scaling {
-                inv_scale,
-                found_inf,
-            };
+            let velocity = i.next().map(|velocity| Velocity::new(velocity, i.next().unwrap()));
+            let scaling = Scaling::new(inv_scale, found_inf);
             let (p, v) = B::sgd_step(p, g, velocity, scaling, lr, &config);
             let mut out = vec![p];
             if let Some(v) = v {
@@ -530,10 +499,7 @@ impl<B: FusionBackend + OptimKernels> OptimKernels for Fusion<B> {
         })
         .into_iter();
         let p = out.next().unwrap();
-        let velocity = has_velocity.then(|| Velocity {
-            velocity: out.next().unwrap(),
-            step: out.next().unwrap(),
-        });
+        let velocity = has_velocity.then(|| Velocity::new(out.next().unwrap(), out.next().unwrap()));
         (p, velocity)
     }
 }

@@ -64,6 +64,51 @@ pub enum OptimError {
     },
 }
 
+/// Burn's [`SimpleOptimizer`] for a [`ScaledSimpleOptimizer`]: the unscaled step is the scaled
+/// one with neutral signals, and moving a state moves each of its tensors.
+macro_rules! simple_optimizer {
+    ($optim:ident, $state:ident { $($field:ident),* $(,)? }) => {
+        impl<B: OptimKernels> SimpleOptimizer<B> for $optim {
+            type State<const D: usize> = $state<B, D>;
+
+            fn step<const D: usize>(
+                &self,
+                lr: LearningRate,
+                value: Tensor<B, D>,
+                grad: Tensor<B, D>,
+                state: Option<Self::State<D>>,
+            ) -> (Tensor<B, D>, Option<Self::State<D>>) {
+                let scaling = super::unscaled::<B>(&value.device());
+                self.step_scaled(lr, value, grad, state, scaling)
+            }
+
+            fn to_device<const D: usize>(
+                state: Self::State<D>,
+                device: &B::Device,
+            ) -> Self::State<D> {
+                $state {
+                    $($field: state.$field.to_device(device),)*
+                }
+            }
+        }
+    };
+}
+
+pub(crate) use simple_optimizer;
+
+/// The adaptor of a fused optimizer built from its validated config.
+pub(crate) fn adaptor<O, M, B>(
+    optim: O,
+    clipping: &Option<burn::optim::grad_clipping::GradientClippingConfig>,
+) -> ScaledAdaptor<O, M, B>
+where
+    O: ScaledSimpleOptimizer<B::InnerBackend>,
+    M: burn::module::AutodiffModule<B>,
+    B: burn::tensor::backend::AutodiffBackend,
+{
+    ScaledAdaptor::new(optim).with_grad_clipping(clipping.as_ref().map(|c| c.init()))
+}
+
 /// The neutral signals (`inv_scale = 1`, `found_inf = 0`) on `device`.
 pub(crate) fn unscaled<B: Backend>(device: &B::Device) -> Scaling<FloatTensor<B>> {
     let f32 = (device, burn::tensor::DType::F32);

@@ -10,7 +10,10 @@ use burn::record::Record;
 use burn::tensor::backend::AutodiffBackend;
 
 use super::kernels::{OptimKernels, Scaling, Velocity, fallback};
-use super::{OptimError, ScaledAdaptor, ScaledSimpleOptimizer, as_f32, bytes, check_range};
+use super::{
+    OptimError, ScaledAdaptor, ScaledSimpleOptimizer, adaptor, as_f32, bytes, check_range,
+    simple_optimizer,
+};
 use crate::grads::{primitive, tensor};
 use burn_backend::tensor::FloatTensor;
 
@@ -68,11 +71,10 @@ impl FusedSgdConfig {
         B::InnerBackend: OptimKernels,
     {
         self.validate()?;
-        let clipping = self.grad_clipping.as_ref().map(|c| c.init());
-        Ok(ScaledAdaptor::new(FusedSgd {
+        let optim = FusedSgd {
             config: self.clone(),
-        })
-        .with_grad_clipping(clipping))
+        };
+        Ok(adaptor(optim, &self.grad_clipping))
     }
 }
 
@@ -99,27 +101,7 @@ pub struct FusedSgdState<B: Backend, const D: usize> {
     pub step: Tensor<B, 1>,
 }
 
-impl<B: OptimKernels> SimpleOptimizer<B> for FusedSgd {
-    type State<const D: usize> = FusedSgdState<B, D>;
-
-    fn step<const D: usize>(
-        &self,
-        lr: LearningRate,
-        value: Tensor<B, D>,
-        grad: Tensor<B, D>,
-        state: Option<Self::State<D>>,
-    ) -> (Tensor<B, D>, Option<Self::State<D>>) {
-        let scaling = super::unscaled::<B>(&value.device());
-        self.step_scaled(lr, value, grad, state, scaling)
-    }
-
-    fn to_device<const D: usize>(state: Self::State<D>, device: &B::Device) -> Self::State<D> {
-        FusedSgdState {
-            velocity: state.velocity.to_device(device),
-            step: state.step.to_device(device),
-        }
-    }
-}
+simple_optimizer!(FusedSgd, FusedSgdState { velocity, step });
 
 impl<B: OptimKernels> ScaledSimpleOptimizer<B> for FusedSgd {
     fn step_scaled<const D: usize>(

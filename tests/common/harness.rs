@@ -3,7 +3,7 @@
 
 use std::collections::BTreeSet;
 
-use burn_amp::autocast::{Category, Op};
+use burn_amp::backend::{Category, Op};
 use burn_amp::{Precision, autocast};
 use burn_backend::tensor::FloatTensor;
 use burn_backend::{Backend, TensorData, TensorMetadata, read_sync};

@@ -5,7 +5,7 @@
 //! into f32 tensors so that they can be compared too.
 
 use burn_amp::Amp;
-use burn_amp::autocast::Op;
+use burn_amp::backend::Op;
 use burn_backend::ops::{
     AttentionModuleOptions, ConvOptions, ConvTransposeOptions, DeformConvOptions,
     GridSampleOptions, InterpolateMode, InterpolateOptions, UnfoldOptions,

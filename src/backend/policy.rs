@@ -2,10 +2,12 @@
 //! `ActivationOps` in one of four categories (`shared/AUTOCAST_POLICY.md`, after PyTorch's
 //! `autocast_mode.h`). This table is the whole policy; the op forwarding only asks it.
 
-use burn_backend::{Backend, DType, TensorMetadata};
+use core::any::TypeId;
+
+use burn_backend::{Backend, DType, DeviceOps, TensorMetadata};
 use burn_std::FloatDType;
 
-use crate::precision::{Precision, support};
+use crate::precision::{Precision, Resolved, remember, thread_state};
 
 /// What autocast does with an op's float inputs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -55,7 +57,8 @@ policy_table! {
     Lower => [
         float_matmul, linear,
         conv1d, conv2d, conv3d, conv_transpose1d, conv_transpose2d, conv_transpose3d,
-        deform_conv2d, attention, prelu,
+        // its softmax follows `F32` also under autodiff (see `ModuleOps::attention` of `Amp`)
+        attention, prelu,
     ],
     F32 => [
         // exp / log family
@@ -65,8 +68,12 @@ policy_table! {
         // reductions that accumulate
         float_sum, float_sum_dim, float_mean, float_mean_dim, float_prod, float_prod_dim,
         float_cumsum, float_cumprod,
+        // average pooling: burn's CubeCL and Flex kernels sum in the element type
+        avg_pool1d, avg_pool2d, adaptive_avg_pool1d, adaptive_avg_pool2d,
+        // sampling coordinates need their fraction (torchvision runs it in f32)
+        deform_conv2d,
         // normalisation and probability
-        softmax, log_softmax, softmin, layer_norm, log_sigmoid,
+        softmax, log_softmax, softmin, layer_norm, log_sigmoid, sigmoid,
         // losses, spectral, resampling
         ctc_loss, rfft, irfft, interpolate, float_grid_sample_2d,
     ],
@@ -86,7 +93,9 @@ policy_table! {
         float_neg, float_abs, float_sqrt, float_sin, float_cos, float_tanh, float_acosh,
         float_asinh, float_atan, float_round, float_floor, float_ceil, float_trunc, float_sign,
         float_is_nan, float_is_inf,
-        relu, leaky_relu, gelu, sigmoid, hard_sigmoid,
+        relu, leaky_relu, gelu,
+        // saturates to exactly 0 and 1 (x <= -3, x >= 3) in f32 too
+        hard_sigmoid,
         // scalar operands
         float_add_scalar, float_sub_scalar, float_mul_scalar, float_div_scalar,
         float_remainder_scalar, float_clamp, float_clamp_min, float_clamp_max, float_mask_fill,
@@ -102,9 +111,8 @@ policy_table! {
         float_argmin, float_argtopk, float_topk, float_cummin, float_cummax, float_sort,
         float_sort_with_indices, float_argsort, float_any, float_any_dim, float_all,
         float_all_dim,
-        // pooling
-        avg_pool1d, avg_pool2d, adaptive_avg_pool1d, adaptive_avg_pool2d, max_pool1d,
-        max_pool2d, max_pool1d_with_indices, max_pool2d_with_indices,
+        // max pooling
+        max_pool1d, max_pool2d, max_pool1d_with_indices, max_pool2d_with_indices,
         // backward kernels: run in the dtype of what autodiff saved
         relu_backward, gelu_backward, sigmoid_backward, log_sigmoid_backward,
         embedding_backward, linear_x_backward, linear_weight_backward, linear_bias_backward,
@@ -153,11 +161,14 @@ fn widest(seen: u8) -> FloatDType {
 /// Resolves one op call: sees the float inputs, then tells the dtype to cast them to.
 pub(crate) struct Autocast<B: Backend> {
     category: Category,
-    /// The dtype category `Lower` lowers to, once known; read from the thread's setting.
+    /// The dtype category `Lower` lowers to, once known.
     low: Option<FloatDType>,
-    /// Whether `low` still waits for a device (the thread follows the device's default,
-    /// or asked for bf16, whose support must be checked).
+    /// Whether `low` still waits for a device: the setting (the device's default, f16 or
+    /// bf16) is resolved, and its support checked, on the first float input's device.
     low_pending: bool,
+    /// The thread's setting and last resolution, read once in `new`.
+    asked: Option<Precision>,
+    memo: Option<Resolved>,
     seen: u8,
     _backend: core::marker::PhantomData<B>,
 }
@@ -166,18 +177,27 @@ impl<B: Backend> Autocast<B> {
     #[inline(always)]
     pub(crate) fn new(op: Op) -> Self {
         let category = op.category();
-        let (low, low_pending) = match (category, Precision::current()) {
-            (Category::Promote | Category::Pass, _) | (_, Some(Precision::F32)) => (None, false),
-            // f32 ops need no device: any active setting means "to f32".
-            (Category::F32, _) => (Some(FloatDType::F32), false),
-            (Category::Lower, None) => (None, true),
-            (Category::Lower, Some(Precision::F16)) => (Some(FloatDType::F16), false),
-            (Category::Lower, Some(Precision::Bf16)) => (Some(FloatDType::BF16), true),
+        let (low, low_pending, asked, memo) = match category {
+            // Their dtype follows the inputs alone: no setting to read.
+            Category::Promote | Category::Pass => (None, false, None, None),
+            Category::F32 | Category::Lower => {
+                // The only thread-local read of an op whose low dtype is already resolved.
+                let state = thread_state();
+                let (low, pending) = match (category, state.precision) {
+                    (_, Some(Precision::F32)) => (None, false),
+                    // f32 ops need no device: any active setting means "to f32".
+                    (Category::F32, _) => (Some(FloatDType::F32), false),
+                    _ => (None, true),
+                };
+                (low, pending, state.precision, state.resolved)
+            }
         };
         Self {
             category,
             low,
             low_pending,
+            asked,
+            memo,
             seen: 0,
             _backend: core::marker::PhantomData,
         }
@@ -191,7 +211,7 @@ impl<B: Backend> Autocast<B> {
         }
         if self.low_pending {
             self.low_pending = false;
-            self.low = resolve_low::<B>(self.low, &B::float_device(tensor));
+            self.low = resolve_low::<B>(self.asked, self.memo, &B::float_device(tensor));
         }
     }
 
@@ -213,6 +233,15 @@ impl<B: Backend> Autocast<B> {
         };
         (self.seen != bit(target)).then_some(target)
     }
+
+    /// Whether this `Lower` op runs in a low dtype: autocast is on and no input is f64.
+    /// True also when the inputs are in that dtype already.
+    #[inline(always)]
+    pub(crate) fn lowers(&self) -> bool {
+        self.category == Category::Lower
+            && self.low.is_some()
+            && self.seen & bit(FloatDType::F64) == 0
+    }
 }
 
 #[inline(always)]
@@ -227,27 +256,60 @@ fn float_dtype(dtype: DType) -> Option<FloatDType> {
     }
 }
 
-/// The low dtype on `device`: the thread's explicit choice (checked for bf16), else the
-/// device's default.
+/// The low dtype on `device`: the thread's last resolution when it was for this backend,
+/// device and setting (no lookup), else resolved afresh.
+#[inline(always)]
+fn resolve_low<B: Backend>(
+    asked: Option<Precision>,
+    memo: Option<Resolved>,
+    device: &B::Device,
+) -> Option<FloatDType> {
+    let backend = TypeId::of::<B>();
+    let id = device.id();
+    match memo {
+        Some(m) if m.backend == backend && m.device == id && m.asked == asked => m.low,
+        _ => resolve_low_cold::<B>(asked, device, backend, id),
+    }
+}
+
+/// The thread's explicit choice, checked against the device (f16 and bf16 alike), or the
+/// device's default; remembered for the next ops.
 #[cold]
-fn resolve_low<B: Backend>(asked: Option<FloatDType>, device: &B::Device) -> Option<FloatDType> {
-    match asked {
-        Some(FloatDType::BF16) => {
-            if !support::supports::<B>(device, DType::BF16) {
+#[inline(never)]
+fn resolve_low_cold<B: Backend>(
+    asked: Option<Precision>,
+    device: &B::Device,
+    backend: TypeId,
+    id: burn_std::device::DeviceId,
+) -> Option<FloatDType> {
+    let low = match asked {
+        None => Precision::default_for::<B>(device).low_dtype(),
+        Some(precision) => {
+            if !precision.is_supported::<B>(device) {
+                let alternative = [Precision::Bf16, Precision::F16]
+                    .into_iter()
+                    .find(|p| *p != precision && p.is_supported::<B>(device))
+                    .unwrap_or(Precision::F32);
                 panic!(
                     "{}",
                     crate::error::AmpError::UnsupportedPrecision {
-                        precision: Precision::Bf16,
+                        precision,
                         device: format!("{device:?}"),
                         backend: B::name(device),
+                        alternative,
                     }
                 );
             }
-            asked
+            precision.low_dtype()
         }
-        Some(other) => Some(other),
-        None => Precision::default_for::<B>(device).low_dtype(),
-    }
+    };
+    remember(Resolved {
+        backend,
+        device: id,
+        asked,
+        low,
+    });
+    low
 }
 
 /// Casts `tensor` to `target` unless it is there already or is not a float.

@@ -1,9 +1,10 @@
 //! `ModuleOps` of `Amp<B>`: every op through the policy table.
 //!
-//! Written by macro from the trait's signatures (see `autocast/macros.rs`), except the ops
+//! Written by macro from the trait's signatures (see `backend/macros.rs`), except the ops
 //! whose results are structs generic over the backend, which are rebuilt by hand.
 
 use burn_backend::Backend;
+use burn_backend::ops::attention::attention_fallback;
 use burn_backend::ops::{
     AttentionModuleOptions, ConvOptions, ConvTransposeOptions, DeformConv2dBackward,
     DeformConvOptions, InterpolateOptions, MaxPool1dBackward, MaxPool1dWithIndices,
@@ -11,9 +12,9 @@ use burn_backend::ops::{
 };
 use burn_backend::tensor::{BoolTensor, FloatTensor, IntTensor};
 
-use crate::autocast::Amp;
-use crate::autocast::macros::{autocast_input, autocast_ops};
-use crate::autocast::policy::{Autocast, Op, cast};
+use crate::backend::Amp;
+use crate::backend::macros::{autocast_input, autocast_ops};
+use crate::backend::policy::{Autocast, Op, cast};
 
 impl<B: Backend> ModuleOps<Self> for Amp<B> {
     autocast_ops! {
@@ -61,13 +62,45 @@ impl<B: Backend> ModuleOps<Self> for Amp<B> {
         fn max_pool2d(x: FloatTensor<Self>, kernel_size: [usize; 2], stride: [usize; 2], padding: [usize; 2], dilation: [usize; 2], ceil_mode: bool) -> FloatTensor<Self> => [t x];
         fn interpolate(x: FloatTensor<Self>, output_size: [usize; 2], options: InterpolateOptions) -> FloatTensor<Self> => [t x];
         fn interpolate_backward(x: FloatTensor<Self>, grad: FloatTensor<Self>, output_size: [usize; 2], options: InterpolateOptions) -> FloatTensor<Self> => [t x, t grad];
-        fn attention(query: FloatTensor<Self>, key: FloatTensor<Self>, value: FloatTensor<Self>, mask: Option<BoolTensor<Self>>, attn_bias: Option<FloatTensor<Self>>, options: AttentionModuleOptions) -> FloatTensor<Self> => [t query, t key, t value, opt attn_bias];
         fn layer_norm(tensor: FloatTensor<Self>, gamma: FloatTensor<Self>, beta: Option<FloatTensor<Self>>, epsilon: f64) -> FloatTensor<Self> => [t tensor, t gamma, opt beta];
         fn ctc_loss(log_probs: FloatTensor<Self>, targets: IntTensor<Self>, input_lengths: IntTensor<Self>, target_lengths: IntTensor<Self>, blank: usize) -> FloatTensor<Self> => [t log_probs];
         fn has_ctc_loss_backward() -> bool => [];
         fn ctc_loss_backward(log_probs: FloatTensor<Self>, targets: IntTensor<Self>, input_lengths: IntTensor<Self>, target_lengths: IntTensor<Self>, grad_loss: FloatTensor<Self>, blank: usize) -> FloatTensor<Self> => [t log_probs, t grad_loss];
         fn rfft(signal: FloatTensor<Self>, dim: usize, n: Option<usize>) -> (FloatTensor<Self>, FloatTensor<Self>) => [t signal];
         fn irfft(spectrum_re: FloatTensor<Self>, spectrum_im: FloatTensor<Self>, dim: usize, n: Option<usize>) -> FloatTensor<Self> => [t spectrum_re, t spectrum_im];
+    }
+
+    /// The two matmuls in the low dtype, the softmax between them in f32 (`AUTOCAST_POLICY.md`
+    /// section 1). A backend with autodiff composes attention from its own ops (Burn 0.21's
+    /// `Autodiff` runs `attention_fallback::<Autodiff<..>>`), which `Amp` above it never sees:
+    /// its softmax would run in the low dtype. There the same composition runs here, through
+    /// `Amp`'s ops, so that each follows the policy (and autodiff records the casts). Without
+    /// autodiff the backend's own kernel runs on the lowered inputs.
+    fn attention(
+        query: FloatTensor<Self>,
+        key: FloatTensor<Self>,
+        value: FloatTensor<Self>,
+        mask: Option<BoolTensor<Self>>,
+        attn_bias: Option<FloatTensor<Self>>,
+        options: AttentionModuleOptions,
+    ) -> FloatTensor<Self> {
+        let mut autocast = Autocast::<B>::new(Op::attention);
+        autocast_input!(see t autocast query);
+        autocast_input!(see t autocast key);
+        autocast_input!(see t autocast value);
+        autocast_input!(see opt autocast attn_bias);
+        if autocast.lowers() && B::ad_enabled(&B::float_device(&query)) {
+            return attention_fallback::<Self>(query, key, value, mask, attn_bias, options);
+        }
+        let target = autocast.target();
+        B::attention(
+            cast::<B>(query, target),
+            cast::<B>(key, target),
+            cast::<B>(value, target),
+            mask,
+            attn_bias.map(|b| cast::<B>(b, target)),
+            options,
+        )
     }
 
     fn deform_conv2d_backward(

@@ -1,6 +1,6 @@
 //! `QTensorOps` of `Amp<B>`: quantized ops are forwarded untouched.
 //!
-//! Written by macro from the trait's signatures (see `autocast/macros.rs`).
+//! Written by macro from the trait's signatures (see `backend/macros.rs`).
 
 use burn_backend::ops::QTensorOps;
 use burn_backend::quantization::{QuantScheme, QuantizationParametersPrimitive};
@@ -9,8 +9,8 @@ use burn_backend::tensor::{Device, FloatTensor, IntTensor, QuantizedTensor};
 use burn_backend::{Backend, ExecutionError, Scalar, TensorData, TensorPrimitive};
 use burn_std::{BoolDType, FloatDType, IntDType, Shape, Slice};
 
-use crate::autocast::Amp;
-use crate::autocast::macros::{forward, forward_primitive};
+use crate::backend::Amp;
+use crate::backend::macros::{forward, forward_primitive};
 
 impl<B: Backend> QTensorOps<Self> for Amp<B> {
     forward! {
@@ -117,7 +117,7 @@ impl<B: Backend> QTensorOps<Self> for Amp<B> {
     fn q_into_data(
         tensor: QuantizedTensor<Self>,
     ) -> impl Future<Output = Result<TensorData, ExecutionError>> + Send {
-        crate::autocast::count_host_read();
+        crate::backend::count_host_read();
         B::q_into_data(tensor)
     }
 }

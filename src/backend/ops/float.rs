@@ -1,14 +1,14 @@
 //! `FloatTensorOps` of `Amp<B>`: every op through the policy table.
 //!
-//! Written by macro from the trait's signatures (see `autocast/macros.rs`).
+//! Written by macro from the trait's signatures (see `backend/macros.rs`).
 
 use burn_backend::ops::{FloatTensorOps, GridSampleOptions};
 use burn_backend::tensor::{BoolTensor, Device, FloatTensor, IndexingUpdateOp, IntTensor};
 use burn_backend::{Backend, Distribution, ExecutionError, Scalar, TensorData};
 use burn_std::{BoolDType, FloatDType, IntDType, Shape, Slice};
 
-use crate::autocast::Amp;
-use crate::autocast::macros::{autocast_input, autocast_ops};
+use crate::backend::Amp;
+use crate::backend::macros::{autocast_input, autocast_ops};
 
 impl<B: Backend> FloatTensorOps<Self> for Amp<B> {
     autocast_ops! {
@@ -140,7 +140,7 @@ impl<B: Backend> FloatTensorOps<Self> for Amp<B> {
     fn float_into_data(
         tensor: FloatTensor<Self>,
     ) -> impl Future<Output = Result<TensorData, ExecutionError>> + Send {
-        crate::autocast::count_host_read();
+        crate::backend::count_host_read();
         B::float_into_data(tensor)
     }
 }

@@ -1,6 +1,6 @@
 //! `IntTensorOps` of `Amp<B>`: int ops are forwarded untouched.
 //!
-//! Written by macro from the trait's signatures (see `autocast/macros.rs`).
+//! Written by macro from the trait's signatures (see `backend/macros.rs`).
 
 use burn_backend::ops::IntTensorOps;
 use burn_backend::tensor::{BoolTensor, Device, FloatTensor, IndexingUpdateOp, IntTensor};
@@ -9,8 +9,8 @@ use burn_std::{BoolDType, FloatDType, IntDType, Shape, Slice};
 
 use core::ops::Range;
 
-use crate::autocast::Amp;
-use crate::autocast::macros::forward;
+use crate::backend::Amp;
+use crate::backend::macros::forward;
 
 impl<B: Backend> IntTensorOps<Self> for Amp<B> {
     forward! {
@@ -122,7 +122,7 @@ impl<B: Backend> IntTensorOps<Self> for Amp<B> {
     fn int_into_data(
         tensor: IntTensor<Self>,
     ) -> impl Future<Output = Result<TensorData, ExecutionError>> + Send {
-        crate::autocast::count_host_read();
+        crate::backend::count_host_read();
         B::int_into_data(tensor)
     }
 }

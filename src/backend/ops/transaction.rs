@@ -3,13 +3,13 @@
 use burn_backend::ops::{TransactionOps, TransactionPrimitive, TransactionPrimitiveData};
 use burn_backend::{Backend, ExecutionError};
 
-use crate::autocast::Amp;
+use crate::backend::Amp;
 
 impl<B: Backend> TransactionOps<Self> for Amp<B> {
     fn tr_execute(
         transaction: TransactionPrimitive<Self>,
     ) -> impl Future<Output = Result<TransactionPrimitiveData, ExecutionError>> + Send {
-        crate::autocast::count_host_read();
+        crate::backend::count_host_read();
         // `execute_async` has taken the read order out already; the inner backend only
         // sees the four lists, so they can be moved over as they are.
         B::tr_execute(TransactionPrimitive::new(

@@ -34,8 +34,8 @@ macro_rules! autocast_ops {
         #[inline(always)]
         fn $name($($arg: $ty),*) $(-> $ret)? {
             #[allow(unused_mut, unused_variables)]
-            let mut autocast = $crate::autocast::policy::Autocast::<B>::new(
-                $crate::autocast::policy::Op::$name,
+            let mut autocast = $crate::backend::policy::Autocast::<B>::new(
+                $crate::backend::policy::Op::$name,
             );
             $(autocast_input!(see $kind autocast $input);)*
             #[allow(unused_variables)]
@@ -62,17 +62,17 @@ macro_rules! autocast_input {
         }
     };
     (cast t $target:ident $x:ident) => {
-        $crate::autocast::policy::cast::<B>($x, $target)
+        $crate::backend::policy::cast::<B>($x, $target)
     };
     (cast opt $target:ident $x:ident) => {
-        $x.map(|x| $crate::autocast::policy::cast::<B>(x, $target))
+        $x.map(|x| $crate::backend::policy::cast::<B>(x, $target))
     };
     (cast vec $target:ident $x:ident) => {
         match $target {
             None => $x,
             Some(_) => $x
                 .into_iter()
-                .map(|x| $crate::autocast::policy::cast::<B>(x, $target))
+                .map(|x| $crate::backend::policy::cast::<B>(x, $target))
                 .collect(),
         }
     };

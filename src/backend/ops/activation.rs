@@ -1,14 +1,14 @@
 //! `ActivationOps` of `Amp<B>`: every op through the policy table.
 //!
-//! Written by macro from the trait's signatures (see `autocast/macros.rs`).
+//! Written by macro from the trait's signatures (see `backend/macros.rs`).
 
 use burn_backend::Backend;
 use burn_backend::Scalar;
 use burn_backend::ops::ActivationOps;
 use burn_backend::tensor::FloatTensor;
 
-use crate::autocast::Amp;
-use crate::autocast::macros::{autocast_input, autocast_ops};
+use crate::backend::Amp;
+use crate::backend::macros::{autocast_input, autocast_ops};
 
 impl<B: Backend> ActivationOps<Self> for Amp<B> {
     autocast_ops! {

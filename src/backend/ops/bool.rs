@@ -1,14 +1,14 @@
 //! `BoolTensorOps` of `Amp<B>`: bool ops are forwarded untouched.
 //!
-//! Written by macro from the trait's signatures (see `autocast/macros.rs`).
+//! Written by macro from the trait's signatures (see `backend/macros.rs`).
 
 use burn_backend::ops::BoolTensorOps;
 use burn_backend::tensor::{BoolTensor, Device, FloatTensor, IntTensor};
 use burn_backend::{Backend, ExecutionError, Scalar, TensorData};
 use burn_std::{BoolDType, FloatDType, IntDType, Shape, Slice};
 
-use crate::autocast::Amp;
-use crate::autocast::macros::forward;
+use crate::backend::Amp;
+use crate::backend::macros::forward;
 
 impl<B: Backend> BoolTensorOps<Self> for Amp<B> {
     forward! {
@@ -55,7 +55,7 @@ impl<B: Backend> BoolTensorOps<Self> for Amp<B> {
     fn bool_into_data(
         tensor: BoolTensor<Self>,
     ) -> impl Future<Output = Result<TensorData, ExecutionError>> + Send {
-        crate::autocast::count_host_read();
+        crate::backend::count_host_read();
         B::bool_into_data(tensor)
     }
 }

@@ -7,16 +7,18 @@
 //! Stack it above autodiff, `Amp<Autodiff<B>>`: the casts are then part of the graph, f32
 //! parameters get f32 gradients, and the activations autodiff saves are in f16/bf16.
 
+mod host_reads;
 mod macros;
 mod ops;
 pub mod policy;
 
-use core::cell::Cell;
 use core::marker::PhantomData;
 
 use burn_backend::tensor::{BoolTensor, FloatTensor, IntTensor, QuantizedTensor};
 use burn_backend::{AutodiffBackend, Backend, BackendTypes, DType, DTypeUsageSet, ExecutionError};
 
+pub use host_reads::host_reads;
+pub(crate) use host_reads::count_host_read;
 pub use policy::{Category, Op};
 
 /// The autocast decorator backend. See the [module docs](self).
@@ -151,19 +153,4 @@ impl<B: AutodiffBackend> AutodiffBackend for Amp<B> {
     fn q_from_inner(tensor: QuantizedTensor<Self::InnerBackend>) -> QuantizedTensor<Self> {
         B::q_from_inner(tensor)
     }
-}
-
-thread_local! {
-    static HOST_READS: Cell<u64> = const { Cell::new(0) };
-}
-
-#[inline]
-pub(crate) fn count_host_read() {
-    HOST_READS.with(|c| c.set(c.get() + 1));
-}
-
-/// Reads to the host made through `Amp` on this thread: every `*_into_data`, transaction
-/// and `sync`. Each one stalls the device pipeline; a training step should make none.
-pub fn host_reads() -> u64 {
-    HOST_READS.with(|c| c.get())
 }
