@@ -8,15 +8,18 @@
 //!      optimizer state are in the base). glibc is told to `mmap` every block over 128 KiB
 //!      (`MALLOC_MMAP_THRESHOLD_`), so freed tensors go back to the OS: a measurement of the
 //!      process, not of tensors alone.
-//!    - `Autodiff<Wgpu>` (lavapipe or a GPU; skipped without a Vulkan adapter, or with
-//!      `--no-wgpu`): the allocator's `bytes_in_use`, read after `sync` on the model's
-//!      thread, sampled after each forward, backward and step; the peak of the samples.
+//!    - `Autodiff<Wgpu>` (lavapipe or a GPU; skipped with `--no-wgpu`, or without a Vulkan
+//!      adapter except where `CI` is set, where a missing adapter fails): the allocator's
+//!      `bytes_in_use`, read after `sync` on the model's thread, sampled after each forward,
+//!      backward and step; the peak of the samples.
 //! 2. Bytes per parameter of parameters, gradients, Adam state and accumulation buffers for
-//!    a two-half model with none frozen, half frozen in f32, and half frozen in bf16
-//!    (counted from the live tensors' shapes and dtypes).
+//!    a two-half model (two `DeepMlp`s) with none frozen, half frozen in f32, and half frozen
+//!    in bf16 (counted from the live tensors' shapes and dtypes).
 //!
 //! Prints a table, then one JSON line. `cargo bench --bench accumulate [-- --no-wgpu]`.
 
+#[path = "../tests/common/mod.rs"]
+mod common;
 #[path = "common/report.rs"]
 mod report;
 
@@ -26,16 +29,18 @@ use std::time::Instant;
 use burn::backend::wgpu::{WgpuDevice, WgpuRuntime};
 use burn::backend::{Autodiff, Flex, Wgpu};
 use burn::module::{AutodiffModule, Module, ModuleVisitor, Param, ParamId};
-use burn::nn::{Linear, LinearConfig};
 use burn::optim::adaptor::OptimizerAdaptor;
 use burn::optim::record::AdaptorRecord;
 use burn::optim::{Adam, AdamConfig, AdamState, GradientsParams, Optimizer};
 use burn::prelude::*;
+use burn::tensor::FloatDType;
 use burn::tensor::backend::AutodiffBackend;
 use burn_amp::accumulate::GradientAccumulation;
-use burn_amp::demo::{ReversalTask, TinyLm, TinyLmConfig};
 use burn_amp::frozen::{Frozen, param_bytes};
+use burn_amp::grads::gradient_bytes;
 use burn_amp::{Amp, Precision, autocast};
+use common::models::DeepMlp;
+use common::tiny_lm::{ReversalTask, TinyLm, TinyLmConfig};
 
 /// Micro-batches per optimizer step.
 const N: usize = 4;
@@ -222,25 +227,6 @@ fn wgpu_in_use(device: &WgpuDevice) -> u64 {
         .unwrap_or(0)
 }
 
-fn wgpu_device() -> Option<WgpuDevice> {
-    if std::env::var_os("XDG_RUNTIME_DIR").is_none() {
-        let dir = std::env::temp_dir().join("burn-amp-xdg");
-        let _ = std::fs::create_dir_all(&dir);
-        // SAFETY: set before any thread reads the environment for Vulkan.
-        unsafe { std::env::set_var("XDG_RUNTIME_DIR", dir) };
-    }
-    let device = WgpuDevice::default();
-    let probe = std::panic::catch_unwind(|| {
-        Tensor::<Wgpu, 1>::from_floats([1.0, 2.0], &device)
-            .sum()
-            .into_scalar()
-    });
-    match probe {
-        Ok(v) if (v - 3.0).abs() < 1e-6 => Some(device),
-        _ => None,
-    }
-}
-
 fn wgpu(mode: Mode, device: &WgpuDevice) -> WgpuResult {
     let mut run = Run::<Autodiff<Wgpu>>::new(device.clone());
     let ms = run.time(mode);
@@ -257,45 +243,28 @@ fn wgpu(mode: Mode, device: &WgpuDevice) -> WgpuResult {
 #[derive(Module, Debug)]
 struct Halves<B: Backend, L> {
     lower: L,
-    upper: Stack<B>,
-}
-
-#[derive(Module, Debug)]
-struct Stack<B: Backend> {
-    layers: Vec<Linear<B>>,
+    upper: DeepMlp<B>,
 }
 
 const WIDTH: usize = 256;
 const DEPTH: usize = 4;
 
-impl<B: Backend> Stack<B> {
-    fn new(device: &B::Device) -> Self {
-        Self {
-            layers: (0..DEPTH)
-                .map(|_| LinearConfig::new(WIDTH, WIDTH).init(device))
-                .collect(),
-        }
-    }
-
-    fn forward(&self, mut x: Tensor<B, 2>) -> Tensor<B, 2> {
-        for layer in &self.layers {
-            x = layer.forward(x).tanh();
-        }
-        x
-    }
+/// One half: `DEPTH` layers `WIDTH -> WIDTH`.
+fn stack<B: Backend>(device: &B::Device) -> DeepMlp<B> {
+    DeepMlp::new(WIDTH, DEPTH, device)
 }
 
 trait Lower<B: Backend>: Module<B> {
     fn run(&self, x: Tensor<B, 2>) -> Tensor<B, 2>;
 }
 
-impl<B: Backend> Lower<B> for Stack<B> {
+impl<B: Backend> Lower<B> for DeepMlp<B> {
     fn run(&self, x: Tensor<B, 2>) -> Tensor<B, 2> {
         self.forward(x)
     }
 }
 
-impl<B: Backend> Lower<B> for Frozen<Stack<B>> {
+impl<B: Backend> Lower<B> for Frozen<DeepMlp<B>> {
     fn run(&self, x: Tensor<B, 2>) -> Tensor<B, 2> {
         self.forward(x)
     }
@@ -308,23 +277,6 @@ struct StateBytes {
     grad_bytes: usize,
     adam_bytes: usize,
     accum_bytes: usize,
-}
-
-fn grad_bytes<B: AutodiffBackend, M: AutodiffModule<B>>(
-    module: &M,
-    grads: &GradientsParams,
-) -> usize {
-    struct Count<'a>(&'a GradientsParams, usize);
-    impl<B: AutodiffBackend> ModuleVisitor<B> for Count<'_> {
-        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
-            if let Some(g) = self.0.get::<B::InnerBackend, D>(param.id) {
-                self.1 += g.shape().num_elements() * g.dtype().size();
-            }
-        }
-    }
-    let mut count = Count(grads, 0);
-    module.visit(&mut count);
-    count.1
 }
 
 fn adam_bytes<B: AutodiffBackend, M: AutodiffModule<B>>(
@@ -363,7 +315,7 @@ where
     let params = model.num_params();
     let param_bytes = param_bytes(&model);
     let grads = GradientsParams::from_grads(loss(&model).backward(), &model);
-    let grad_bytes = grad_bytes(&model, &grads);
+    let grad_bytes = gradient_bytes(&model, &grads) as usize;
     let mut adam: OptimizerAdaptor<Adam, Halves<S, L>, S> = AdamConfig::new().init();
     let model = adam.step(LR, model, grads);
     let adam_bytes = adam_bytes(&model, &adam);
@@ -432,7 +384,7 @@ fn main() {
             None => println!("| Autodiff<Flex> | {} | failed | | |", mode.name()),
         }
     }
-    let device = if no_wgpu { None } else { wgpu_device() };
+    let device = if no_wgpu { None } else { common::wgpu_device() };
     match &device {
         Some(device) => {
             for mode in [Mode::Big, Mode::Micro] {
@@ -464,22 +416,22 @@ fn main() {
         (
             "none frozen",
             state_bytes(Halves {
-                lower: Stack::<S>::new(&device),
-                upper: Stack::new(&device),
+                lower: stack::<S>(&device),
+                upper: stack(&device),
             }),
         ),
         (
             "half frozen, f32 storage",
             state_bytes(Halves {
-                lower: Frozen::new(Stack::<S>::new(&device)),
-                upper: Stack::new(&device),
+                lower: Frozen::new(stack::<S>(&device)),
+                upper: stack(&device),
             }),
         ),
         (
             "half frozen, bf16 storage",
             state_bytes(Halves {
-                lower: Frozen::new(Stack::<S>::new(&device)).with_storage(Precision::Bf16),
-                upper: Stack::new(&device),
+                lower: Frozen::new(stack::<S>(&device)).with_storage(FloatDType::BF16),
+                upper: stack(&device),
             }),
         ),
     ];

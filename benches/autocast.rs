@@ -9,46 +9,22 @@
 //! quick, as a smoke test). Prints a table, then
 //! one JSON line.
 
+#[path = "../tests/common/mod.rs"]
+mod common;
 #[path = "common/report.rs"]
 mod report;
 
 use std::time::{Duration, Instant};
 
 use burn::backend::{Autodiff, Flex, Wgpu};
-use burn::module::Module;
-use burn::nn::{Linear, LinearConfig};
 use burn::prelude::*;
 use burn::tensor::backend::AutodiffBackend;
-use burn_amp::demo::{ReversalTask, TinyLmConfig};
 use burn_amp::memory::{DeviceMemory, PeakMemory};
+use burn_amp::optim::{FusedAdamW, ScaledAdaptor};
 use burn_amp::{Amp, Precision, autocast};
-
-#[derive(Module, Debug)]
-struct Mlp<B: Backend> {
-    layers: Vec<Linear<B>>,
-}
-
-impl<B: Backend> Mlp<B> {
-    fn new(width: usize, depth: usize, device: &B::Device) -> Self {
-        Self {
-            layers: (0..depth)
-                .map(|_| LinearConfig::new(width, width).init(device))
-                .collect(),
-        }
-    }
-
-    fn forward(&self, mut x: Tensor<B, 2>) -> Tensor<B, 2> {
-        for layer in &self.layers {
-            x = burn::tensor::activation::gelu(layer.forward(x));
-        }
-        x
-    }
-}
-
-fn median(mut v: Vec<Duration>) -> Duration {
-    v.sort();
-    v[v.len() / 2]
-}
+use common::median;
+use common::models::DeepMlp;
+use common::tiny_lm::{ReversalTask, TinyLm, TinyLmConfig};
 
 /// Times `a` and `b` interleaved (a, b, a, b, ...) so that both see the same machine load.
 fn side_by_side(iters: usize, mut a: impl FnMut(), mut b: impl FnMut()) -> (Duration, Duration) {
@@ -68,15 +44,12 @@ fn side_by_side(iters: usize, mut a: impl FnMut(), mut b: impl FnMut()) -> (Dura
     (median(ta), median(tb))
 }
 
-fn mlp_step<B: AutodiffBackend>(model: &Mlp<B>, x: &Tensor<B, 2>) {
+fn mlp_step<B: AutodiffBackend>(model: &DeepMlp<B>, x: &Tensor<B, 2>) {
     let loss = model.forward(x.clone()).powi_scalar(2).mean();
     let _grads = loss.backward();
 }
 
-fn lm_step<B: AutodiffBackend>(
-    model: &burn_amp::demo::TinyLm<B>,
-    batch: &(Tensor<B, 2, Int>, Tensor<B, 2, Int>),
-) {
+fn lm_step<B: AutodiffBackend>(model: &TinyLm<B>, batch: &(Tensor<B, 2, Int>, Tensor<B, 2, Int>)) {
     let _grads = model.loss(batch.0.clone(), batch.1.clone()).backward();
 }
 
@@ -86,8 +59,8 @@ fn overhead(iters: usize) -> (f64, f64, Duration, Duration, Duration, Duration) 
     let device = Default::default();
     let _off = autocast(Precision::F32);
 
-    let mlp_plain = Mlp::<Plain>::new(256, 4, &device);
-    let mlp_amp = Mlp::<WithAmp>::new(256, 4, &device);
+    let mlp_plain = DeepMlp::<Plain>::new(256, 4, &device);
+    let mlp_amp = DeepMlp::<WithAmp>::new(256, 4, &device);
     let x_plain =
         Tensor::<Plain, 2>::random([64, 256], burn::tensor::Distribution::Default, &device);
     let x_amp = Tensor::<WithAmp, 2>::from_data(x_plain.to_data(), &device);
@@ -140,7 +113,7 @@ fn step_peak<B: AutodiffBackend + DeviceMemory>(
 ) -> Option<(u64, u64)> {
     let device = Default::default();
     let _g = autocast(precision);
-    let model = Mlp::<B>::new(width, depth, &device);
+    let model = DeepMlp::<B>::new(width, depth, &device);
     let x = Tensor::<B, 2>::random([batch, width], burn::tensor::Distribution::Default, &device);
     let mut peak = PeakMemory::default();
     peak.sample::<B>(&device)?; // params and input: what persists
@@ -155,17 +128,13 @@ fn step_peak<B: AutodiffBackend + DeviceMemory>(
 /// One scaled training step of TinyLm (forward, backward, scaler, optimizer, update);
 /// returns the host reads it made.
 fn scaled_step<B>(
-    model: burn_amp::demo::TinyLm<B>,
+    model: TinyLm<B>,
     batch: &(Tensor<B, 2, Int>, Tensor<B, 2, Int>),
     scaler: &mut burn_amp::scaler::GradScaler<B>,
-    fused: &mut burn_amp::scaler::FusedAdamW<B>,
-    adam: &mut burn::optim::adaptor::OptimizerAdaptor<
-        burn::optim::Adam,
-        burn_amp::demo::TinyLm<B>,
-        B,
-    >,
+    fused: &mut ScaledAdaptor<FusedAdamW, TinyLm<B>, B>,
+    adam: &mut burn::optim::adaptor::OptimizerAdaptor<burn::optim::Adam, TinyLm<B>, B>,
     use_fused: bool,
-) -> (burn_amp::demo::TinyLm<B>, u64)
+) -> (TinyLm<B>, u64)
 where
     B: AutodiffBackend,
     B::InnerBackend: burn_amp::kernels::AmpKernels,
@@ -174,7 +143,7 @@ where
     let loss = model.loss(batch.0.clone(), batch.1.clone());
     let grads = burn::optim::GradientsParams::from_grads(scaler.scale(loss).backward(), &model);
     let (model, _) = if use_fused {
-        scaler.step_fused(fused, 1e-3, model, grads).unwrap()
+        scaler.step(fused, 1e-3, model, grads).unwrap()
     } else {
         scaler.step(adam, 1e-3, model, grads).unwrap()
     };
@@ -197,7 +166,8 @@ where
     P::InnerBackend: burn_amp::kernels::AmpKernels,
     A::InnerBackend: burn_amp::kernels::AmpKernels,
 {
-    use burn_amp::scaler::{FusedAdamWConfig, GradScalerConfig};
+    use burn_amp::optim::FusedAdamWConfig;
+    use burn_amp::scaler::GradScalerConfig;
     let device = Default::default();
     let mut task = ReversalTask::new(config.vocab, config.seq_len, 5);
     let batch_p = task.batch::<P>(batch, &device);
@@ -211,11 +181,11 @@ where
         .init::<A>(&device, precision)
         .unwrap();
     let (mut fused_p, mut fused_a) = (
-        FusedAdamWConfig::new().init::<P>(),
-        FusedAdamWConfig::new().init::<A>(),
+        FusedAdamWConfig::new().init::<P, TinyLm<P>>().unwrap(),
+        FusedAdamWConfig::new().init::<A, TinyLm<A>>().unwrap(),
     );
-    let mut adam_p = burn::optim::AdamConfig::new().init::<P, burn_amp::demo::TinyLm<P>>();
-    let mut adam_a = burn::optim::AdamConfig::new().init::<A, burn_amp::demo::TinyLm<A>>();
+    let mut adam_p = burn::optim::AdamConfig::new().init::<P, TinyLm<P>>();
+    let mut adam_a = burn::optim::AdamConfig::new().init::<A, TinyLm<A>>();
     let sync_p = |d: &P::Device| P::sync(d).unwrap();
     let sync_a = |d: &A::Device| A::sync(d).unwrap();
     let (t_p, t_a) = side_by_side(

@@ -4,20 +4,23 @@
 //!
 //! `cargo bench --bench memory` (`cargo test` runs it small, as a smoke test).
 
+#[path = "../tests/common/mod.rs"]
+mod common;
 #[path = "common/report.rs"]
 mod report;
 
 use burn::backend::autodiff::checkpoint::strategy::BalancedCheckpointing;
 use burn::backend::{Autodiff, Wgpu};
 use burn::module::{AutodiffModule, ModuleMapper, Param};
-use burn::optim::GradientsParams;
+use burn::optim::{GradientsParams, Optimizer};
 use burn::prelude::*;
 use burn::tensor::backend::AutodiffBackend;
-use burn_amp::demo::{ReversalTask, TinyLmConfig};
 use burn_amp::kernels::AmpKernels;
 use burn_amp::memory::{DeviceMemory, MemoryReport, StepMemory};
-use burn_amp::scaler::{FusedAdamWConfig, FusedOptimizer};
+use burn_amp::optim::FusedAdamWConfig;
 use burn_amp::{Amp, Precision, autocast};
+use common::mib;
+use common::tiny_lm::{ReversalTask, TinyLm, TinyLmConfig};
 
 /// Freezes the first half of the parameters, in visiting order (the embeddings and the
 /// first blocks): no gradients, no optimizer state for them.
@@ -58,7 +61,9 @@ where
             half: n / 2,
         });
     }
-    let mut optim = FusedAdamWConfig::new().init::<B>();
+    let mut optim = FusedAdamWConfig::new()
+        .init::<B, TinyLm<B>>()
+        .expect("the default config is valid");
     let mut task = ReversalTask::new(config.vocab, config.seq_len, 1);
     let mut last = MemoryReport::default();
     // The second step is measured: parameters materialised, optimizer state allocated.
@@ -69,8 +74,8 @@ where
         memory.after_forward::<B>(&device);
         let grads = GradientsParams::from_grads(loss.backward(), &model);
         memory.after::<B>(&device);
-        last = memory.report::<B, _>(&model, Some(&grads), optim.state_bytes());
-        model = optim.step_scaled(1e-3, model, grads, None, None);
+        last = memory.report::<B, _>(&model, Some(&grads), optim.state_bytes(&model));
+        model = optim.step(1e-3, model, grads);
         memory.after::<B>(&device);
     }
     let _ = model.valid();
@@ -88,10 +93,6 @@ fn num_param_tensors<B: Backend, M: burn::module::Module<B>>(module: &M) -> usiz
     let mut c = Count(0);
     module.visit(&mut c);
     c.0
-}
-
-fn mib(b: u64) -> String {
-    format!("{:.2}", b as f64 / 1048576.0)
 }
 
 fn main() {
@@ -155,7 +156,7 @@ fn main() {
             }
         };
         println!(
-            "| {name} | {} | {} | {} | {} | {} | {} | {:.3} | {:.3} |",
+            "| {name} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} | {:.3} | {:.3} |",
             mib(r.parameters),
             mib(r.frozen_parameters),
             mib(r.gradients),

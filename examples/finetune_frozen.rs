@@ -12,19 +12,26 @@
 //! state, no f32 master copy), a trainable one 16 (f32 weight, f32 gradient, two f32 AdamW
 //! moments). Then one JSON line on stdout.
 
+// The shared model: each example uses part of its methods.
+#[allow(dead_code)]
+#[path = "../tests/common/tiny_lm.rs"]
+mod tiny_lm;
+
 use burn::backend::{Autodiff, Flex, Wgpu};
 use burn::module::{AutodiffModule, Module};
 use burn::nn::loss::CrossEntropyLossConfig;
 use burn::nn::{Gelu, Linear, LinearConfig};
 use burn::optim::GradientsParams;
 use burn::prelude::*;
+use burn::tensor::FloatDType;
 use burn::tensor::backend::AutodiffBackend;
-use burn_amp::demo::{ReversalTask, TinyLm, TinyLmConfig};
 use burn_amp::kernels::AmpKernels;
 use burn_amp::memory::{DeviceMemory, MemoryReport, MemorySource, StepMemory, parameter_bytes};
-use burn_amp::scaler::{FusedAdamWConfig, GradScaler, GradScalerConfig};
+use burn_amp::optim::FusedAdamWConfig;
+use burn_amp::scaler::{GradScaler, GradScalerConfig};
 use burn_amp::{Amp, Frozen, Precision, autocast};
 use clap::Parser;
+use tiny_lm::{ReversalTask, TinyLm, TinyLmConfig};
 
 #[derive(Parser, Debug)]
 #[command(about = "Fine-tune a head on a frozen, bf16-stored backbone with burn-amp")]
@@ -35,7 +42,8 @@ struct Args {
     /// Autocast precision [default: the device's best: bf16, else f16].
     #[arg(long)]
     precision: Option<Precision>,
-    /// Storage of the frozen backbone [default: bf16 where supported, else f16].
+    /// Storage of the frozen backbone, bf16, f16 or f32 [default: bf16 where supported,
+    /// else f16].
     #[arg(long)]
     storage: Option<Precision>,
     /// Steps training the backbone on reversal, before it is frozen.
@@ -121,6 +129,11 @@ fn main() {
     }
 }
 
+/// The dtype a `--storage` choice keeps the frozen weights in (`f32`: f32).
+fn storage_dtype(storage: Precision) -> FloatDType {
+    storage.low_dtype().unwrap_or(FloatDType::F32)
+}
+
 fn per_param(bytes: u64, params: usize) -> f64 {
     bytes as f64 / params.max(1) as f64
 }
@@ -153,16 +166,16 @@ where
 
     // 1. The backbone, trained briefly on reversal (every parameter trainable).
     let mut backbone: TinyLm<B> = config.init(&device);
-    let mut optim = FusedAdamWConfig::new().with_weight_decay(0.0).init::<B>();
+    let mut optim = FusedAdamWConfig::new()
+        .with_weight_decay(0.0)
+        .init::<B, TinyLm<B>>()?;
     let mut scaler_pre = scaler()?;
     let mut loss = None;
     for _ in 0..args.pretrain_steps {
         let (x, y) = task.batch::<B>(args.batch, &device);
         let l = backbone.loss(x, y);
         let grads = GradientsParams::from_grads(scaler_pre.scale(l.clone()).backward(), &backbone);
-        backbone = scaler_pre
-            .step_fused(&mut optim, args.lr, backbone, grads)?
-            .0;
+        backbone = scaler_pre.step(&mut optim, args.lr, backbone, grads)?.0;
         scaler_pre.update()?;
         loss = Some(l);
     }
@@ -177,7 +190,7 @@ where
     // 2. Frozen and stored in half precision; a fresh trainable head.
     let hidden = 4 * vocab;
     let mut model = Finetune {
-        backbone: Frozen::new(backbone).with_storage(storage),
+        backbone: Frozen::new(backbone).with_storage(storage_dtype(storage)),
         head: Head {
             hidden: LinearConfig::new(vocab, hidden).init(&device),
             act: Gelu::new(),
@@ -188,7 +201,9 @@ where
     let before = model.valid().accuracy(x, shifted(y, vocab));
 
     // 3. Fine-tuning: only the head has gradients and optimizer state.
-    let mut optim = FusedAdamWConfig::new().with_weight_decay(0.0).init::<B>();
+    let mut optim = FusedAdamWConfig::new()
+        .with_weight_decay(0.0)
+        .init::<B, Finetune<B>>()?;
     let mut scaler = scaler()?;
     let mut report: Option<MemoryReport> = None;
     let mut losses = Vec::new();
@@ -204,9 +219,10 @@ where
         let grads = GradientsParams::from_grads(scaler.scale(l.clone()).backward(), &model);
         if let Some(m) = memory.as_mut() {
             m.after::<B>(&device);
-            report = Some(m.report::<B, Finetune<B>>(&model, Some(&grads), optim.state_bytes()));
+            let state = optim.state_bytes(&model);
+            report = Some(m.report::<B, Finetune<B>>(&model, Some(&grads), state));
         }
-        model = scaler.step_fused(&mut optim, args.lr, model, grads)?.0;
+        model = scaler.step(&mut optim, args.lr, model, grads)?.0;
         scaler.update()?;
         // Kept on the device; read once at the end.
         losses.push(l.inner());

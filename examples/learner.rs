@@ -21,6 +21,11 @@
 //! burn-train's metrics read the loss and outputs of every micro-batch back to the host
 //! (that is how `Learner` works); `train.rs` shows a loop that reads every k steps only.
 
+// The shared model: each example uses part of its methods.
+#[allow(dead_code)]
+#[path = "../tests/common/tiny_lm.rs"]
+mod tiny_lm;
+
 use std::collections::HashMap;
 use std::path::PathBuf;
 use std::time::Instant;
@@ -46,9 +51,9 @@ use burn::train::{
     ClassificationOutput, InferenceStep, Learner, SupervisedTraining, TrainOutput, TrainStep,
 };
 use burn_amp::accumulate::WindowedLrScheduler;
-use burn_amp::demo::{ReversalTask, TinyLm, TinyLmConfig};
 use burn_amp::{Amp, GradientAccumulation, Precision, autocast};
 use clap::Parser;
+use tiny_lm::{ReversalTask, TinyLm, TinyLmConfig};
 
 /// The training backend: mixed precision by type.
 type B = Amp<Autodiff<Flex>>;
@@ -162,8 +167,9 @@ impl<B: Backend> Batcher<B, ReversalSample, ReversalBatch<B>> for ReversalBatche
 
 // ----------------------------------------------------------------------- model
 
-/// TinyLm wrapped for `Learner` (the step traits are burn-train's, the model burn-amp's: a
-/// local wrapper holds the impls). Every position is one classification.
+/// TinyLm wrapped for `Learner` (the step traits are burn-train's, the model the shared
+/// `tests/common/tiny_lm.rs`: a wrapper holds the impls). Every position is one
+/// classification.
 #[derive(Module, Debug)]
 struct Reverser<B: Backend> {
     lm: TinyLm<B>,

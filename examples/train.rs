@@ -15,6 +15,11 @@
 //! A progress bar on stderr (when it is a terminal), then a short table and one JSON line on
 //! stdout.
 
+// The shared model: each example uses part of its methods.
+#[allow(dead_code)]
+#[path = "../tests/common/tiny_lm.rs"]
+mod tiny_lm;
+
 use std::error::Error;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -24,20 +29,20 @@ use burn::backend::{Autodiff, Flex, Wgpu};
 use burn::optim::{GradientsParams, Optimizer};
 use burn::prelude::*;
 use burn::record::{FullPrecisionSettings, NamedMpkFileRecorder, Record, Recorder};
-use burn::tensor::Transaction;
 use burn::tensor::backend::AutodiffBackend;
+use burn::tensor::{FloatDType, Transaction};
 use burn_amp::accumulate::GradientAccumulationRecord;
-use burn_amp::demo::{ReversalTask, TinyLm, TinyLmConfig, TinyLmRecord};
 use burn_amp::kernels::AmpKernels;
 use burn_amp::memory::{
     DeviceMemory, MemoryGuard, MemoryReport, PeakMemory, StepMemory, find_micro_batch,
     parameter_bytes,
 };
-use burn_amp::scaler::fused::FusedRecord;
-use burn_amp::scaler::{FusedAdamW, FusedAdamWConfig, GradScalerConfig, GradScalerRecord};
+use burn_amp::optim::{FusedAdamW, FusedAdamWConfig, ScaledAdaptor};
+use burn_amp::scaler::{GradScalerConfig, GradScalerRecord};
 use burn_amp::{Amp, GradientAccumulation, Precision, autocast, freeze, host_reads};
 use clap::{Parser, ValueEnum};
 use indicatif::{ProgressBar, ProgressStyle};
+use tiny_lm::{ReversalTask, TinyLm, TinyLmConfig, TinyLmRecord};
 
 #[derive(Parser, Debug, Clone)]
 #[command(about = "Train a small transformer with burn-amp")]
@@ -179,15 +184,22 @@ fn batch_plan(args: &Args) -> Result<(usize, usize), Error2> {
     Ok((micro, accum))
 }
 
-/// Gradient accumulation around the fused AdamW (a one-step window at `--accum 1`).
-type Optim<B> = GradientAccumulation<FusedAdamW<B>, B>;
+/// The fused AdamW for TinyLm.
+type AdamW<B> = ScaledAdaptor<FusedAdamW, TinyLm<B>, B>;
 
-/// Everything a run needs to continue where it stopped, as one Burn record.
+/// Gradient accumulation around the fused AdamW (a one-step window at `--accum 1`).
+type Optim<B> = GradientAccumulation<AdamW<B>, B>;
+
+/// The fused AdamW's record (its moments and step counts, per parameter).
+type AdamWRecord<B> = <AdamW<B> as Optimizer<TinyLm<B>, B>>::Record;
+
+/// Everything a run needs to continue where it stopped, as one Burn record; `R` is the
+/// wrapped optimizer's record ([`AdamWRecord`]).
 #[derive(Record)]
-struct TrainState<B: Backend> {
+struct TrainState<B: Backend, R: Record<B>> {
     model: TinyLmRecord<B>,
     /// The accumulation window (partial sums, position) and the AdamW moments inside it.
-    optim: GradientAccumulationRecord<B, FusedRecord<B>>,
+    optim: GradientAccumulationRecord<B, R>,
     scaler: GradScalerRecord,
     /// Optimizer steps done.
     step: usize,
@@ -266,7 +278,7 @@ where
     })?;
     // Equal micro-batches as close to the target as the window allows: ceil(target / N)
     // is at most the largest that fits.
-    let accum = plan.accumulation_steps;
+    let accum = plan.micro_batches;
     let micro = target.div_ceil(accum);
     eprintln!(
         "--target-batch auto: largest fitting micro-batch {} (forward+backward peak {:.1} of {budget} MiB); \
@@ -317,14 +329,14 @@ where
     let mut scaler = GradScalerConfig::new()
         .with_growth_interval(200)
         .init::<B>(&device, precision)?;
-    let mut optim: Optim<B> =
-        GradientAccumulation::new(FusedAdamWConfig::new().with_weight_decay(0.0).init(), accum)?;
+    let adamw = FusedAdamWConfig::new().with_weight_decay(0.0).init()?;
+    let mut optim: Optim<B> = GradientAccumulation::new(adamw, accum)?;
     let mut history = HistoryRecord::default();
     let mut start_step = 0;
     let mut samples_drawn = 0u64;
 
     if let Some(path) = &args.resume {
-        let state: TrainState<B> = FileRecorder::new()
+        let state: TrainState<B, AdamWRecord<B>> = FileRecorder::new()
             .load(path.clone(), &device)
             .map_err(|e| format!("cannot load {}: {e}", path.display()))?;
         if state.micro_batch != micro_batch || state.precision != precision.to_string() {
@@ -359,11 +371,7 @@ where
         // and unwrapped again: a leaf that requires no gradient, in the training precision
         // (Burn's `load_record` and the optimizers keep it frozen). After the resume, so
         // that loading a checkpoint does not bring back f32 weights.
-        let storage = if precision.is_low() {
-            precision
-        } else {
-            Precision::F32
-        };
+        let storage = precision.low_dtype().unwrap_or(FloatDType::F32);
         model.tokens = freeze::<B, _>(model.tokens)
             .with_storage::<B>(storage)
             .into_inner();
@@ -425,8 +433,8 @@ where
             }
             if let Some(m) = measure.as_mut() {
                 m.after::<Mem>(&device);
-                let report =
-                    m.report::<B, TinyLm<B>>(&model, Some(&grads), optim.inner().state_bytes());
+                let state = optim.inner().state_bytes(&model);
+                let report = m.report::<B, TinyLm<B>>(&model, Some(&grads), state);
                 step_report = Some((report, 0));
             }
             if micro == 0 && args.inject_nan_at.contains(&step) {
@@ -440,18 +448,19 @@ where
                 Some(sum) => sum + loss,
                 None => loss,
             });
-            // Mid-window this adds the still-scaled gradients to f32 sums; at the boundary it
-            // unscales, checks, steps (or skips the whole window) and updates the scale,
-            // all on the device.
+            // Mid-window this adds the still-scaled gradients to f32 sums (and `update` leaves
+            // the scale alone); at the boundary it checks, unscales, steps (or skips the whole
+            // window), and `update` moves the scale, all on the device.
             if step == measure_at
                 && let Some((_, sums)) = step_report.as_mut()
             {
                 // The partial sums are largest just before the boundary call.
                 *sums = (*sums).max(optim.buffer_bytes() as u64);
             }
-            let (m, report) = optim.step_scaled_fused(&mut scaler, args.lr, model, grads)?;
+            let (m, report) = scaler.step(&mut optim, args.lr, model, grads)?;
+            scaler.update()?;
             model = m;
-            if let Some(found_inf) = report.and_then(|r| r.found_inf()) {
+            if let Some(found_inf) = report.found_inf() {
                 pending_infs.push((step, found_inf));
             }
         }
@@ -485,7 +494,7 @@ where
                     let (trainable, frozen) = parameter_bytes::<B, TinyLm<B>>(&model);
                     let state = trainable
                         + frozen
-                        + optim.inner().state_bytes()
+                        + optim.inner().state_bytes(&model)
                         + optim.buffer_bytes() as u64;
                     format!("state {:.2} MiB", mib(state))
                 }

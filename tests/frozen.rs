@@ -2,6 +2,8 @@
 //! gradient and no optimizer state, half-precision storage halves their bytes, and records
 //! are the inner module's.
 
+mod common;
+
 use std::collections::HashSet;
 
 use burn::backend::{Autodiff, Flex};
@@ -9,40 +11,15 @@ use burn::module::{AutodiffModule, Module, ModuleVisitor, Param, ParamId};
 use burn::nn::{Linear, LinearConfig};
 use burn::optim::{AdamConfig, GradientsParams, Optimizer};
 use burn::prelude::*;
-use burn::record::{BinBytesRecorder, FullPrecisionSettings, Recorder};
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::{DType, Distribution, FloatDType};
 use burn_amp::frozen::param_bytes;
 use burn_amp::{Amp, Frozen, Precision, autocast, freeze};
+use common::models::{Mlp, materialize};
+use common::{big_stack, load, save};
 
 type B = Autodiff<Flex>;
 type A = Amp<Autodiff<Flex>>;
-
-#[derive(Module, Debug)]
-struct Mlp<B: Backend> {
-    l1: Linear<B>,
-    l2: Linear<B>,
-}
-
-impl<B: Backend> Mlp<B> {
-    fn new(d_in: usize, d_hidden: usize, d_out: usize, device: &B::Device) -> Self {
-        materialize(Self {
-            l1: LinearConfig::new(d_in, d_hidden).init(device),
-            l2: LinearConfig::new(d_hidden, d_out).init(device),
-        })
-    }
-
-    fn forward(&self, x: Tensor<B, 2>) -> Tensor<B, 2> {
-        self.l2
-            .forward(burn::tensor::activation::gelu(self.l1.forward(x)))
-    }
-}
-
-/// Burn initialises parameters lazily, per clone: give them their values once.
-fn materialize<B: Backend, M: Module<B>>(module: M) -> M {
-    let record = module.clone().into_record();
-    module.load_record(record)
-}
 
 /// A frozen backbone before a trainable head.
 #[derive(Module, Debug)]
@@ -268,8 +245,8 @@ fn bf16_storage_is_bf16_halves_the_bytes_and_still_trains_the_rest() {
         let _g = autocast(Precision::F32);
         let mlp = Mlp::<A>::new(8, 32, 8, &device);
         let f32_bytes = param_bytes(&mlp);
-        let frozen = Frozen::new(mlp.clone()).with_storage(Precision::Bf16);
-        assert_eq!(frozen.storage(), Precision::Bf16);
+        let frozen = Frozen::new(mlp.clone()).with_storage(FloatDType::BF16);
+        assert_eq!(frozen.storage(), Some(FloatDType::BF16));
         assert!(
             flags(&*frozen)
                 .iter()
@@ -329,18 +306,6 @@ fn bf16_storage_is_bf16_halves_the_bytes_and_still_trains_the_rest() {
     });
 }
 
-fn save<R: burn::record::Record<Bk>, Bk: Backend>(record: R) -> Vec<u8> {
-    BinBytesRecorder::<FullPrecisionSettings>::default()
-        .record(record, ())
-        .unwrap()
-}
-
-fn load<R: burn::record::Record<Bk>, Bk: Backend>(bytes: Vec<u8>, device: &Bk::Device) -> R {
-    BinBytesRecorder::<FullPrecisionSettings>::default()
-        .load(bytes, device)
-        .unwrap()
-}
-
 #[test]
 fn records_save_and_load_as_the_inner_modules() {
     let device = Default::default();
@@ -349,32 +314,32 @@ fn records_save_and_load_as_the_inner_modules() {
     let values = bits(&frozen);
 
     // Frozen -> bytes -> a fresh Frozen: same values, still frozen.
-    let bytes = save::<_, B>(frozen.clone().into_record());
+    let bytes = save::<B, _>(frozen.clone().into_record());
     let loaded = Frozen::new(Mlp::<B>::new(8, 16, 4, &device)).load_record(load(bytes, &device));
     assert_eq!(bits(&loaded), values);
     assert!(flags(&loaded).iter().all(|(_, rg)| !rg));
     assert_eq!(ids(&loaded), ids(&frozen));
 
     // The record is the inner module's: it loads into the plain module, and back.
-    let bytes = save::<_, B>(frozen.clone().into_record());
+    let bytes = save::<B, _>(frozen.clone().into_record());
     let plain = Mlp::<B>::new(8, 16, 4, &device).load_record(load(bytes, &device));
     assert_eq!(bits(&plain), values);
     assert!(
         flags(&plain).iter().all(|(_, rg)| *rg),
         "plain stays trainable"
     );
-    let bytes = save::<_, B>(plain.into_record());
+    let bytes = save::<B, _>(plain.into_record());
     let refrozen = Frozen::new(Mlp::<B>::new(8, 16, 4, &device)).load_record(load(bytes, &device));
     assert_eq!(bits(&refrozen), values);
     assert!(flags(&refrozen).iter().all(|(_, rg)| !rg));
 
     // A bf16-stored module loads back into bf16 storage (the saved values are the rounded
     // ones, exact in f32).
-    let half = Frozen::new(Mlp::<B>::new(8, 16, 4, &device)).with_storage(Precision::Bf16);
+    let half = Frozen::new(Mlp::<B>::new(8, 16, 4, &device)).with_storage(FloatDType::BF16);
     let half_values = bits(&half);
-    let bytes = save::<_, B>(half.into_record());
+    let bytes = save::<B, _>(half.into_record());
     let loaded = Frozen::new(Mlp::<B>::new(8, 16, 4, &device))
-        .with_storage(Precision::Bf16)
+        .with_storage(FloatDType::BF16)
         .load_record(load(bytes, &device));
     assert!(
         flags(&loaded)
@@ -408,14 +373,4 @@ fn parent_is_an_autodiff_module<Bk: AutodiffBackend>(
     m: BackboneHead<Bk>,
 ) -> impl AutodiffModule<Bk> {
     m
-}
-
-/// Runs `f` on a thread with a large stack: debug builds of deep burn calls need it.
-fn big_stack<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> T {
-    std::thread::Builder::new()
-        .stack_size(64 << 20)
-        .spawn(f)
-        .unwrap()
-        .join()
-        .unwrap_or_else(|e| std::panic::resume_unwind(e))
 }

@@ -3,63 +3,44 @@
 mod common;
 
 use burn::backend::{Autodiff, Flex, Wgpu};
-use burn::module::Module;
-use burn::nn::{Linear, LinearConfig};
-use burn::optim::GradientsParams;
+use burn::optim::{GradientsParams, Optimizer};
 use burn::prelude::*;
 use burn::tensor::backend::AutodiffBackend;
 use burn_amp::memory::{DeviceMemory, MemorySource, StepMemory, parameter_bytes};
-use burn_amp::scaler::{FusedAdamWConfig, FusedOptimizer};
-
-#[derive(Module, Debug)]
-struct Mlp<B: Backend> {
-    layers: Vec<Linear<B>>,
-}
+use burn_amp::optim::FusedAdamWConfig;
+use common::models::DeepMlp;
 
 const WIDTH: usize = 128;
 const DEPTH: usize = 3;
 const BATCH: usize = 512;
 
-impl<B: Backend> Mlp<B> {
-    fn new(device: &B::Device) -> Self {
-        Self {
-            layers: (0..DEPTH)
-                .map(|_| LinearConfig::new(WIDTH, WIDTH).init(device))
-                .collect(),
-        }
-    }
-
-    fn forward(&self, mut x: Tensor<B, 2>) -> Tensor<B, 2> {
-        for layer in &self.layers {
-            x = burn::tensor::activation::gelu(layer.forward(x));
-        }
-        x
-    }
-}
-
-/// f32 weights and biases.
+/// f32 weights and biases of the `DeepMlp` of `DEPTH` layers `WIDTH -> WIDTH`.
 const PARAM_BYTES: u64 = (DEPTH * (WIDTH * WIDTH + WIDTH) * 4) as u64;
+/// Parameter tensors: a weight and a bias per layer.
+const PARAM_TENSORS: u64 = (2 * DEPTH) as u64;
 
 fn step_report<B: AutodiffBackend + DeviceMemory>() -> burn_amp::memory::MemoryReport
 where
     B::InnerBackend: burn_amp::kernels::AmpKernels,
 {
     let device = Default::default();
-    let model = Mlp::<B>::new(&device);
+    let model = DeepMlp::<B>::new(WIDTH, DEPTH, &device);
     let _ = parameter_bytes::<B, _>(&model); // materialise the lazy parameters first
     let x = Tensor::<B, 2>::ones([BATCH, WIDTH], &device);
-    let mut optim = FusedAdamWConfig::new().init::<B>();
+    let mut optim = FusedAdamWConfig::new()
+        .init::<B, DeepMlp<B>>()
+        .expect("the default config is valid");
     let mut memory = StepMemory::begin::<B>(&device);
     let loss = model.forward(x).mean();
     memory.after_forward::<B>(&device);
     let grads = GradientsParams::from_grads(loss.backward(), &model);
     memory.after::<B>(&device);
     let report = memory.report::<B, _>(&model, Some(&grads), 0);
-    let model = optim.step_scaled(1e-3, model, grads, None, None);
+    let model = optim.step(1e-3, model, grads);
     assert_eq!(
-        optim.state_bytes(),
-        2 * PARAM_BYTES,
-        "AdamW: two f32 moments per parameter"
+        optim.state_bytes(&model),
+        2 * PARAM_BYTES + 4 * PARAM_TENSORS,
+        "AdamW: two f32 moments per parameter, and an f32 step count per parameter tensor"
     );
     let _ = model;
     report
@@ -129,7 +110,7 @@ fn finder_doubles_then_bisects() {
     })
     .unwrap();
     assert_eq!(plan.micro_batch, 40);
-    assert_eq!(plan.accumulation_steps, 3, "ceil(100 / 40)");
+    assert_eq!(plan.micro_batches, 3, "ceil(100 / 40)");
     assert_eq!(plan.last_micro_batch, 20, "40 + 40 + 20 = 100");
     assert_eq!(plan.peak_bytes, Some(5000));
     assert_eq!(&tried[..7], &[1, 2, 4, 8, 16, 32, 64], "doubling first");
@@ -140,7 +121,7 @@ fn finder_doubles_then_bisects() {
     assert_eq!(
         (
             plan.micro_batch,
-            plan.accumulation_steps,
+            plan.micro_batches,
             plan.last_micro_batch
         ),
         (30, 1, 30)
@@ -159,7 +140,7 @@ type W = Autodiff<Wgpu>;
 /// leaves the caller's model as it was.
 fn guarded_step(
     guard: &mut MemoryGuard,
-    model: &Mlp<W>,
+    model: &DeepMlp<W>,
     batch: usize,
 ) -> Result<Option<u64>, GuardError> {
     let device = Default::default();
@@ -183,7 +164,7 @@ fn out_of_memory_under_a_cap_is_typed_and_training_continues_smaller() {
     }
     std::thread::spawn(|| {
         let device = Default::default();
-        let model = Mlp::<W>::new(&device);
+        let model = DeepMlp::<W>::new(WIDTH, DEPTH, &device);
         let _ = parameter_bytes::<W, _>(&model);
         let before: Vec<f32> = model.layers[0].weight.val().into_data().to_vec().unwrap();
 
@@ -242,7 +223,7 @@ fn out_of_memory_under_a_cap_is_typed_and_training_continues_smaller() {
                     plan.micro_batch
                 );
             }
-            assert_eq!(plan.accumulation_steps, 512usize.div_ceil(plan.micro_batch));
+            assert_eq!(plan.micro_batches, 512usize.div_ceil(plan.micro_batch));
         }
     })
     .join()

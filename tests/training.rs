@@ -8,8 +8,8 @@ use burn::module::AutodiffModule;
 use burn::optim::{AdamConfig, GradientsParams, Optimizer};
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::{DType, ElementConversion};
-use burn_amp::demo::{ReversalTask, TinyLmConfig};
 use burn_amp::{Amp, Precision, autocast};
+use common::tiny_lm::{ReversalTask, TinyLmConfig};
 
 const STEPS: usize = 300;
 const BATCH: usize = 32;
