@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The TinyLm of burn-amp's src/demo.rs in PyTorch, trained on the same task with
+"""The TinyLm of burn-amp's tests/common/tiny_lm.rs in PyTorch, trained on the same task with
 torch.autocast + GradScaler (fused AdamW), for a side-by-side speed comparison on one GPU.
 Prints one JSON line per precision, with the fields of `cargo run --example train`."""
 import argparse, json, time
