@@ -17,11 +17,17 @@
 
 // The shared model: each example uses part of its methods.
 #[allow(dead_code)]
-#[path = "../tests/common/tiny_lm.rs"]
+#[path = "../../tests/common/tiny_lm.rs"]
 mod tiny_lm;
 
+mod batch;
+mod json;
+use batch::{auto_batch, batch_plan};
+use json::{Compared, json_array};
+mod plots;
+
 use std::error::Error;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use burn::backend::autodiff::checkpoint::strategy::BalancedCheckpointing;
@@ -33,10 +39,7 @@ use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::{FloatDType, Transaction};
 use burn_amp::accumulate::GradientAccumulationRecord;
 use burn_amp::kernels::AmpKernels;
-use burn_amp::memory::{
-    DeviceMemory, MemoryGuard, MemoryReport, PeakMemory, StepMemory, find_micro_batch,
-    parameter_bytes,
-};
+use burn_amp::memory::{DeviceMemory, MemoryReport, PeakMemory, StepMemory, parameter_bytes};
 use burn_amp::optim::{FusedAdamW, FusedAdamWConfig, ScaledAdaptor};
 use burn_amp::scaler::{GradScalerConfig, GradScalerRecord};
 use burn_amp::{Amp, GradientAccumulation, Precision, autocast, freeze, host_reads};
@@ -152,38 +155,6 @@ fn main() {
     }
 }
 
-/// The micro-batch and the accumulation from `--batch`, `--accum` and `--micro-batch`.
-fn batch_plan(args: &Args) -> Result<(usize, usize), Error2> {
-    let accum = args.accum;
-    if accum == 0 {
-        return Err("--accum must be at least 1".into());
-    }
-    let micro = match (args.batch, args.micro_batch) {
-        (Some(batch), Some(micro)) if batch != micro * accum => {
-            return Err(format!(
-                "--batch {batch} is not --micro-batch {micro} × --accum {accum}: give two of them"
-            )
-            .into());
-        }
-        (_, Some(micro)) => micro,
-        (batch, None) => {
-            let batch = batch.unwrap_or(64);
-            if batch % accum != 0 {
-                return Err(format!(
-                    "--batch {batch} does not split into --accum {accum} micro-batches: \
-                     give --micro-batch"
-                )
-                .into());
-            }
-            batch / accum
-        }
-    };
-    if micro == 0 {
-        return Err("the micro-batch must hold at least one sequence".into());
-    }
-    Ok((micro, accum))
-}
-
 /// The fused AdamW for TinyLm.
 type AdamW<B> = ScaledAdaptor<FusedAdamW, TinyLm<B>, B>;
 
@@ -235,59 +206,6 @@ fn model_config(args: &Args) -> TinyLmConfig {
         .with_d_ff(args.d_model * 2)
         .with_n_layers(args.layers)
         .with_dropout(0.0)
-}
-
-/// `--target-batch auto`: the largest micro-batch whose forward+backward stays within the
-/// budget (doubling, then bisection, each size measured once under a `MemoryGuard`), and
-/// the accumulation that reaches the effective batch.
-fn auto_batch<B, Mem>(
-    args: &Args,
-    device: &B::Device,
-    precision: Precision,
-) -> Result<(usize, usize), Error2>
-where
-    B: AutodiffBackend,
-    Mem: DeviceMemory<Device = B::Device>,
-{
-    let target = args.batch.unwrap_or(64);
-    let budget = args.memory_budget.ok_or(
-        "--target-batch auto needs --memory-budget MIB: CubeCL reports no free-memory figure",
-    )?;
-    if Mem::memory_snapshot(device).is_none() {
-        return Err(
-            "--target-batch auto needs allocator figures: use --backend wgpu or cuda".into(),
-        );
-    }
-    let _amp = autocast(precision);
-    let config = model_config(args);
-    let model: TinyLm<B> = config.init::<B>(device);
-    let mut task = ReversalTask::new(config.vocab, config.seq_len, args.seed ^ 0xA5);
-    let mut guard = MemoryGuard::new(Some((budget * 1048576.0) as u64));
-    let plan = find_micro_batch(target, |b| {
-        let model = model.clone();
-        let (x, y) = task.batch::<B>(b, device);
-        guard
-            .run::<Mem, _>(device, |peak| {
-                let loss = model.loss(x, y);
-                peak.sample::<Mem>(device);
-                let grads = loss.backward();
-                peak.sample::<Mem>(device);
-                drop(grads);
-            })
-            .map(|_| guard.last_peak())
-    })?;
-    // Equal micro-batches as close to the target as the window allows: ceil(target / N)
-    // is at most the largest that fits.
-    let accum = plan.micro_batches;
-    let micro = target.div_ceil(accum);
-    eprintln!(
-        "--target-batch auto: largest fitting micro-batch {} (forward+backward peak {:.1} of {budget} MiB); \
-         training {micro} x {accum} = {} (target {target})",
-        plan.micro_batch,
-        plan.peak_bytes.unwrap_or(0) as f64 / 1048576.0,
-        micro * accum
-    );
-    Ok((micro, accum))
 }
 
 fn run<B, Mem>(args: &Args, backend: &str) -> Result<(), Error2>
@@ -627,304 +545,4 @@ fn read_pending<B: Backend>(
         None => Vec::new(),
     };
     (losses, skipped)
-}
-
-fn json_array<T: std::fmt::Display>(values: &[T]) -> String {
-    let items: Vec<String> = values
-        .iter()
-        .map(|v| {
-            let s = v.to_string();
-            // JSON has no NaN or inf.
-            if s.parse::<f64>().is_ok_and(f64::is_finite) {
-                s
-            } else {
-                "null".into()
-            }
-        })
-        .collect();
-    format!("[{}]", items.join(","))
-}
-
-/// An earlier run to draw beside this one: its loss curve (a history.json) or only its final
-/// loss (the JSON line).
-struct Compared {
-    label: String,
-    losses: Option<Vec<f32>>,
-    final_loss: Option<f32>,
-}
-
-impl Compared {
-    fn read(path: &Path) -> Result<Self, Error2> {
-        let text = std::fs::read_to_string(path)
-            .map_err(|e| format!("cannot read --compare {}: {e}", path.display()))?;
-        let precision = json_value(&text, "precision")
-            .map(|v| v.trim_matches('"').to_string())
-            .unwrap_or_else(|| "earlier run".into());
-        let losses = json_value(&text, "losses").map(|v| {
-            v.trim_start_matches('[')
-                .split(',')
-                .map(|x| x.trim().trim_end_matches(']').parse().unwrap_or(f32::NAN))
-                .collect()
-        });
-        let final_loss = json_value(&text, "final_loss").and_then(|v| v.parse().ok());
-        if losses.is_none() && final_loss.is_none() {
-            return Err(format!(
-                "--compare {}: no \"losses\" nor \"final_loss\" in it",
-                path.display()
-            )
-            .into());
-        }
-        Ok(Self {
-            label: format!("{precision} ({})", path.display()),
-            losses,
-            final_loss,
-        })
-    }
-}
-
-/// The text of `"key": value` in flat JSON (this example's own output): a number, a string
-/// or an array of numbers.
-fn json_value<'a>(text: &'a str, key: &str) -> Option<&'a str> {
-    let at = text.find(&format!("\"{key}\""))? + key.len() + 2;
-    let rest = text[at..].trim_start().strip_prefix(':')?.trim_start();
-    let end = if rest.starts_with('[') {
-        rest.find(']')? + 1
-    } else if let Some(s) = rest.strip_prefix('"') {
-        s.find('"')? + 2
-    } else {
-        rest.find([',', '}', '\n']).unwrap_or(rest.len())
-    };
-    Some(rest[..end].trim())
-}
-
-mod plots {
-    use super::{Compared, Error2, HistoryRecord, mib};
-    use burn_amp::memory::{MemoryReport, MemorySource};
-    use plotters::prelude::*;
-    use plotters::style::text_anchor::{HPos, Pos, VPos};
-    use std::path::Path;
-
-    const SIZE: (u32, u32) = (900, 500);
-
-    fn positive_range(values: impl Iterator<Item = f64>) -> (f64, f64) {
-        let (lo, hi) = values
-            .filter(|v| v.is_finite() && *v > 0.0)
-            .fold((f64::MAX, f64::MIN), |(lo, hi), v| (lo.min(v), hi.max(v)));
-        if lo > hi {
-            (0.1, 10.0)
-        } else {
-            (lo * 0.8, hi * 1.25)
-        }
-    }
-
-    /// Loss against optimizer step, log scale; an earlier run overlaid.
-    pub fn loss(
-        path: &Path,
-        label: &str,
-        losses: &[f32],
-        compare: Option<&Compared>,
-    ) -> Result<(), Error2> {
-        let root = SVGBackend::new(path, SIZE).into_drawing_area();
-        root.fill(&WHITE)?;
-        let other = compare.and_then(|c| c.losses.as_deref()).unwrap_or(&[]);
-        let steps = losses.len().max(other.len()).max(2) as f64;
-        let all = losses.iter().chain(other).map(|&l| l as f64);
-        let all = all.chain(compare.and_then(|c| c.final_loss).map(f64::from));
-        let (lo, hi) = positive_range(all);
-        let mut chart = ChartBuilder::on(&root)
-            .caption(
-                "training loss (TinyLm, sequence reversal)",
-                ("sans-serif", 22),
-            )
-            .margin(15)
-            .x_label_area_size(40)
-            .y_label_area_size(60)
-            .build_cartesian_2d(0f64..steps, (lo..hi).log_scale())?;
-        chart
-            .configure_mesh()
-            .x_desc("optimizer step")
-            .x_label_formatter(&|x| format!("{x:.0}"))
-            .y_desc("cross-entropy")
-            .draw()?;
-        let points = |ls: &[f32]| -> Vec<(f64, f64)> {
-            ls.iter()
-                .enumerate()
-                .filter(|(_, l)| l.is_finite() && **l > 0.0)
-                .map(|(i, &l)| ((i + 1) as f64, l as f64))
-                .collect()
-        };
-        chart
-            .draw_series(LineSeries::new(points(losses), BLUE.stroke_width(2)))?
-            .label(format!("{label}, this run"))
-            .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], BLUE.stroke_width(2)));
-        if let Some(c) = compare {
-            if c.losses.is_some() {
-                chart
-                    .draw_series(LineSeries::new(points(other), RED))?
-                    .label(c.label.clone())
-                    .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], RED));
-            } else if let Some(f) = c.final_loss {
-                let f = f as f64;
-                chart
-                    .draw_series(DashedLineSeries::new(
-                        [(0.0, f), (steps, f)],
-                        6,
-                        4,
-                        RED.into(),
-                    ))?
-                    .label(format!("{}: final loss", c.label))
-                    .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], RED));
-            }
-        }
-        chart
-            .configure_series_labels()
-            .position(SeriesLabelPosition::UpperRight)
-            .background_style(WHITE.mix(0.85))
-            .border_style(BLACK)
-            .draw()?;
-        root.present()?;
-        Ok(())
-    }
-
-    /// The loss scale as read every `--log-every` steps (log2 axis), skipped steps marked.
-    pub fn scale(path: &Path, history: &HistoryRecord, enabled: bool) -> Result<(), Error2> {
-        let root = SVGBackend::new(path, SIZE).into_drawing_area();
-        root.fill(&WHITE)?;
-        let steps = history.losses.len().max(2) as f64;
-        let samples: Vec<(f64, f64)> = history
-            .scale_steps
-            .iter()
-            .zip(&history.scale_values)
-            .filter(|(_, v)| **v > 0.0)
-            .map(|(&s, &v)| (s as f64, (v as f64).log2()))
-            .collect();
-        let (lo, hi) = samples.iter().fold((f64::MAX, f64::MIN), |(lo, hi), p| {
-            (lo.min(p.1), hi.max(p.1))
-        });
-        let (lo, hi) = if lo > hi {
-            (-1.0, 1.0)
-        } else {
-            (lo - 1.0, hi + 1.0)
-        };
-        let caption = if enabled {
-            "loss scale, read every --log-every steps".to_string()
-        } else {
-            "loss scale: 1, the scaler is off (it runs at f16 only)".to_string()
-        };
-        let mut chart = ChartBuilder::on(&root)
-            .caption(caption, ("sans-serif", 22))
-            .margin(15)
-            .x_label_area_size(40)
-            .y_label_area_size(70)
-            .build_cartesian_2d(0f64..steps, lo..hi)?;
-        chart
-            .configure_mesh()
-            .x_desc("optimizer step")
-            .x_label_formatter(&|x| format!("{x:.0}"))
-            .y_desc("scale")
-            .y_label_formatter(&|y| {
-                if (y - y.round()).abs() < 1e-6 {
-                    format!("2^{y:.0}")
-                } else {
-                    String::new()
-                }
-            })
-            .draw()?;
-        chart
-            .draw_series(LineSeries::new(samples.clone(), BLUE.stroke_width(2)))?
-            .label("scale (between reads: interpolated)")
-            .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], BLUE.stroke_width(2)));
-        chart.draw_series(samples.iter().map(|&p| Circle::new(p, 3, BLUE.filled())))?;
-        // A skipped step is marked at the scale read next: after its backoff.
-        let at = |step: usize| {
-            samples
-                .iter()
-                .find(|(s, _)| *s >= (step + 1) as f64)
-                .or(samples.last())
-                .map_or(0.0, |p| p.1)
-        };
-        chart
-            .draw_series(
-                history
-                    .skipped
-                    .iter()
-                    .map(|&s| Cross::new(((s + 1) as f64, at(s)), 7, RED.stroke_width(2))),
-            )?
-            .label(format!(
-                "skipped step ({}), at the scale read after it",
-                history.skipped.len()
-            ))
-            .legend(|(x, y)| Cross::new((x + 10, y), 5, RED.stroke_width(2)));
-        chart
-            .configure_series_labels()
-            .position(SeriesLabelPosition::UpperRight)
-            .background_style(WHITE.mix(0.85))
-            .border_style(BLACK)
-            .draw()?;
-        root.present()?;
-        Ok(())
-    }
-
-    /// Memory of one training step by category, from `StepMemory`.
-    pub fn memory(path: &Path, report: &MemoryReport, accum_bytes: u64) -> Result<(), Error2> {
-        let bars = [
-            ("parameters", report.parameters),
-            ("frozen params", report.frozen_parameters),
-            ("gradients", report.gradients),
-            ("optimizer state", report.optimizer_state),
-            ("accum. sums", accum_bytes),
-            ("activations", report.activations),
-            ("reserve + frag.", report.reserve_and_fragmentation),
-        ];
-        let source = match report.source {
-            Some(MemorySource::Allocator) => "allocator",
-            Some(MemorySource::Estimate) => "estimate",
-            None => "tensor sizes; no allocator: activations not measured",
-        };
-        let top = bars.iter().map(|b| mib(b.1)).fold(0.0, f64::max).max(1e-3) * 1.2;
-        let root = SVGBackend::new(path, SIZE).into_drawing_area();
-        root.fill(&WHITE)?;
-        let mut chart = ChartBuilder::on(&root)
-            .caption(
-                format!("memory of one training step ({source})"),
-                ("sans-serif", 20),
-            )
-            .margin(15)
-            .x_label_area_size(40)
-            .y_label_area_size(70)
-            .build_cartesian_2d((0..bars.len()).into_segmented(), 0f64..top)?;
-        chart
-            .configure_mesh()
-            .disable_x_mesh()
-            .x_labels(bars.len())
-            .x_label_formatter(&|v| match v {
-                SegmentValue::CenterOf(i) => bars.get(*i).map_or("", |b| b.0).to_string(),
-                _ => String::new(),
-            })
-            .y_desc("MiB")
-            .draw()?;
-        chart.draw_series(bars.iter().enumerate().map(|(i, (_, bytes))| {
-            let mut bar = Rectangle::new(
-                [
-                    (SegmentValue::Exact(i), 0.0),
-                    (SegmentValue::Exact(i + 1), mib(*bytes)),
-                ],
-                BLUE.mix(0.6).filled(),
-            );
-            bar.set_margin(0, 0, 12, 12);
-            bar
-        }))?;
-        chart.draw_series(bars.iter().enumerate().map(|(i, (_, bytes))| {
-            Text::new(
-                format!("{:.3}", mib(*bytes)),
-                (SegmentValue::CenterOf(i), mib(*bytes) + top * 0.01),
-                ("sans-serif", 14)
-                    .into_font()
-                    .into_text_style(&root)
-                    .pos(Pos::new(HPos::Center, VPos::Bottom)),
-            )
-        }))?;
-        root.present()?;
-        Ok(())
-    }
 }
