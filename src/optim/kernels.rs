@@ -157,7 +157,9 @@ pub mod fallback {
     ) -> (FloatTensor<B>, AdamWMoments<FloatTensor<B>>) {
         let shape = param.shape();
         if shape.num_elements() == 0 {
-            return (param, state);
+            // Nothing to update; the count still follows the rule.
+            let step = next_count::<B>(state.step, scaling.found_inf);
+            return (param, AdamWMoments { step, ..state });
         }
         let k = AdamWConstants::new(lr, c);
         let dtype = param.dtype();
@@ -212,6 +214,11 @@ pub mod fallback {
     ) -> (FloatTensor<B>, Option<Velocity<FloatTensor<B>>>) {
         let shape = param.shape();
         if shape.num_elements() == 0 {
+            // Nothing to update; the count still follows the rule.
+            let velocity = velocity.filter(|_| c.momentum != 0.0).map(|v| Velocity {
+                step: next_count::<B>(v.step, scaling.found_inf.clone()),
+                ..v
+            });
             return (param, velocity);
         }
         let dtype = param.dtype();
@@ -270,7 +277,7 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> OptimKerne
         c: &FusedAdamWConfig,
     ) -> (FloatTensor<Self>, AdamWMoments<FloatTensor<Self>>) {
         if param.meta.num_elements() == 0 {
-            return (param, state);
+            return fallback::adamw_step::<Self>(param, grad, state, scaling, lr, c);
         }
         let AdamWMoments { exp_avg, exp_avg_sq, step } = state;
         assert_same_shape(&param, &grad, "the gradient");
@@ -338,7 +345,7 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> OptimKerne
         c: &FusedSgdConfig,
     ) -> (FloatTensor<Self>, Option<Velocity<FloatTensor<Self>>>) {
         if param.meta.num_elements() == 0 {
-            return (param, velocity);
+            return fallback::sgd_step::<Self>(param, grad, velocity, scaling, lr, c);
         }
         assert_same_shape(&param, &grad, "the gradient");
         let inv_scale = scalar_f32(scaling.inv_scale, "inv_scale");
@@ -426,7 +433,7 @@ impl<B: FusionBackend + OptimKernels> OptimKernels for Fusion<B> {
         config: &FusedAdamWConfig,
     ) -> (FloatTensor<Self>, AdamWMoments<FloatTensor<Self>>) {
         if param.shape().num_elements() == 0 {
-            return (param, state);
+            return fallback::adamw_step::<Self>(param, grad, state, scaling, lr, config);
         }
         let outputs = [
             fusion::like::<B>(&param),
@@ -465,7 +472,7 @@ impl<B: FusionBackend + OptimKernels> OptimKernels for Fusion<B> {
         config: &FusedSgdConfig,
     ) -> (FloatTensor<Self>, Option<Velocity<FloatTensor<Self>>>) {
         if param.shape().num_elements() == 0 {
-            return (param, velocity);
+            return fallback::sgd_step::<Self>(param, grad, velocity, scaling, lr, config);
         }
         // As the fallback: without momentum no velocity is used or returned.
         let velocity = velocity.filter(|_| config.momentum != 0.0);

@@ -92,8 +92,13 @@ impl GradScalerConfig {
         if !(self.min_scale > 0.0 && self.min_scale.is_finite()) {
             return invalid("min_scale", self.min_scale as f64, "a finite number > 0");
         }
-        if self.max_scale.is_nan() || self.max_scale < self.min_scale {
-            return invalid("max_scale", self.max_scale as f64, "a number >= min_scale");
+        // Finite, so that a growth to inf is always refused (`grown <= max_scale` is false).
+        if !self.max_scale.is_finite() || self.max_scale < self.min_scale {
+            return invalid(
+                "max_scale",
+                self.max_scale as f64,
+                "a finite number >= min_scale (f32::MAX for no ceiling)",
+            );
         }
         if self.init_scale < self.min_scale || self.init_scale > self.max_scale {
             return invalid(
