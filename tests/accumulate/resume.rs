@@ -1,0 +1,186 @@
+//! Save and resume: a run stopped mid-window resumes bit for bit, plain and scaled; a
+//! record of another scale or window size is refused.
+
+use burn::optim::{AdamConfig, GradientsParams, Optimizer, SgdConfig};
+use burn_amp::accumulate::{AccumulationError, GradientAccumulation};
+use burn_amp::scaler::{GradScaler, GradScalerRecord, ScaledStep, ScalerError};
+use burn_amp::{Precision, autocast};
+
+use super::common::big_stack;
+use super::scaled::{scaled_grads, scaler};
+use super::*;
+
+const WINDOWS: usize = 3;
+
+/// Micro-steps `range` (numbered over the whole run) of unscaled training.
+fn run_plain(
+    mut model: Mlp<F>,
+    accum: &mut GradientAccumulation<impl Optimizer<Mlp<F>, F>, F>,
+    range: std::ops::Range<usize>,
+) -> Mlp<F> {
+    let device = Default::default();
+    for k in range {
+        let grads = GradientsParams::from_grads(
+            model
+                .batch_loss(micro(k / N, k % N, MICRO, &device))
+                .backward(),
+            &model,
+        );
+        model = accum.step(1e-2, model, grads);
+    }
+    model
+}
+
+#[test]
+fn resume_after_micro_step_k_is_bit_identical() {
+    let device = Default::default();
+    F::seed(&device, 14);
+    let init = mlp::<F>(&device);
+    let make = || GradientAccumulation::new(AdamConfig::new().init::<F, Mlp<F>>(), N).unwrap();
+    let total = WINDOWS * N;
+
+    let mut accum = make();
+    let straight = run_plain(init.clone(), &mut accum, 0..total);
+
+    for stop in [1, N + 2, 2 * N - 1] {
+        let mut accum = make();
+        let half = run_plain(init.clone(), &mut accum, 0..stop);
+        let model_bytes = common::save::<F, _>(half.into_record());
+        let accum_bytes = common::save::<F, _>(Optimizer::<Mlp<F>, F>::to_record(&accum));
+
+        let model = mlp::<F>(&device).load_record(common::load::<F, _>(model_bytes, &device));
+        let mut accum =
+            Optimizer::<Mlp<F>, F>::load_record(make(), common::load::<F, _>(accum_bytes, &device));
+        assert_eq!(accum.micro_step(), stop % N);
+        let resumed = run_plain(model, &mut accum, stop..total);
+        assert_eq!(
+            bits(&resumed),
+            bits(&straight),
+            "resumed after micro-step {stop}"
+        );
+        assert_eq!(accum.optimizer_steps(), WINDOWS as u64);
+    }
+}
+
+/// Micro-steps `range` of f16 loss-scaled training; micro-step 5 (window 1) overflows.
+fn run_scaled<O: ScaledStep<Mlp<A>, A>>(
+    mut model: Mlp<A>,
+    scaler: &mut GradScaler<A>,
+    accum: &mut GradientAccumulation<O, A>,
+    range: std::ops::Range<usize>,
+) -> Mlp<A> {
+    for k in range {
+        let grads = scaled_grads(&model, scaler, k / N, k % N, k == 5);
+        model = scaler.step(accum, 1e-2, model, grads).unwrap().0;
+        scaler.update().unwrap();
+    }
+    model
+}
+
+#[test]
+fn resume_after_micro_step_k_is_bit_identical_scaled() {
+    big_stack(|| {
+        let device = Default::default();
+        let _g = autocast(Precision::F16);
+        A::seed(&device, 15);
+        let init = mlp::<A>(&device);
+        let make = || GradientAccumulation::new(AdamConfig::new().init::<A, Mlp<A>>(), N).unwrap();
+        let total = WINDOWS * N;
+
+        let mut scaler_a = scaler(1024.0, 1);
+        let mut accum = make();
+        let straight = run_scaled(init.clone(), &mut scaler_a, &mut accum, 0..total);
+        let straight_scaler = scaler_a.record();
+        // The overflow and the growth moved the scale: the trajectory was exercised.
+        assert_eq!(straight_scaler.scale, 1024.0 * 2.0 / 2.0 * 2.0);
+
+        // Stopped inside the overflowing window, after the overflow, and in the last one.
+        for stop in [6, 2 * N + 1] {
+            let mut scaler_b = scaler(1024.0, 1);
+            let mut accum = make();
+            let half = run_scaled(init.clone(), &mut scaler_b, &mut accum, 0..stop);
+            let model_bytes = common::save::<A, _>(half.into_record());
+            let accum_bytes = common::save::<A, _>(Optimizer::<Mlp<A>, A>::to_record(&accum));
+            let scaler_bytes = common::save::<A, _>(scaler_b.record());
+
+            let model = mlp::<A>(&device).load_record(common::load::<A, _>(model_bytes, &device));
+            let mut accum = Optimizer::<Mlp<A>, A>::load_record(
+                make(),
+                common::load::<A, _>(accum_bytes, &device),
+            );
+            let scaler_record: GradScalerRecord = common::load::<A, _>(scaler_bytes, &device);
+            let mut scaler_b = scaler(1024.0, 1).load_record(scaler_record);
+            let resumed = run_scaled(model, &mut scaler_b, &mut accum, stop..total);
+            assert_eq!(
+                bits(&resumed),
+                bits(&straight),
+                "resumed after micro-step {stop}"
+            );
+            assert_eq!(scaler_b.record(), straight_scaler);
+        }
+    });
+}
+
+/// A partial window remembers the loss scale its sums carry: resumed beside a scaler of
+/// another scale it refuses the micro-step (nothing accumulated, nothing lost) instead of
+/// summing gradients of two scales.
+#[test]
+fn a_resumed_window_refuses_another_scale() {
+    big_stack(|| {
+        let device = Default::default();
+        let _g = autocast(Precision::F16);
+        A::seed(&device, 18);
+        let init = mlp::<A>(&device);
+        let make = || GradientAccumulation::new(AdamConfig::new().init::<A, Mlp<A>>(), N).unwrap();
+        let mut scaler_a = scaler(1024.0, 1000);
+        let mut accum = make();
+        let model = run_scaled(init, &mut scaler_a, &mut accum, 0..2);
+        let record = Optimizer::<Mlp<A>, A>::to_record(&accum);
+        assert_eq!(record.window_scale, Some(1024.0));
+        let bytes = common::save::<A, _>(record);
+
+        let mut resumed =
+            Optimizer::<Mlp<A>, A>::load_record(make(), common::load::<A, _>(bytes, &device));
+        let mut other = scaler(2048.0, 1000);
+        let grads = scaled_grads(&model, &other, 0, 2, false);
+        let err = other
+            .step(&mut resumed, 1e-2, model.clone(), grads)
+            .map(|_| ())
+            .unwrap_err();
+        assert_eq!(
+            err,
+            ScalerError::Accumulation(AccumulationError::WindowScaleMismatch {
+                window_scale: 1024.0,
+                scaler_scale: 2048.0
+            })
+        );
+        assert_eq!(
+            resumed.micro_step(),
+            2,
+            "the refused micro-step added nothing"
+        );
+        // With the scaler it was saved beside, the window goes on.
+        let model = run_scaled(model, &mut scaler_a, &mut resumed, 2..N);
+        assert_eq!(resumed.optimizer_steps(), 1);
+        let _ = model;
+    });
+}
+
+#[test]
+fn a_record_of_another_window_size_is_refused() {
+    let accum = GradientAccumulation::new(SgdConfig::new().init::<F, Mlp<F>>(), 4).unwrap();
+    let record = Optimizer::<Mlp<F>, F>::to_record(&accum);
+    let other = GradientAccumulation::new(SgdConfig::new().init::<F, Mlp<F>>(), 2).unwrap();
+    let err = other
+        .try_load_record::<Mlp<F>>(record)
+        .map(|_| ())
+        .unwrap_err();
+    assert!(matches!(
+        err,
+        AccumulationError::RecordMismatch {
+            saved_micro_batches: 4,
+            micro_batches: 2,
+            ..
+        }
+    ));
+}
