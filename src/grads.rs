@@ -282,9 +282,8 @@ impl<B: Backend> GradList<B> {
         impl<AB: AutodiffBackend> ModuleVisitor<AB> for Put<'_, AB::InnerBackend> {
             fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<AB, D>>) {
                 if let Some(grad) = self.list.remove(&param.id) {
-                    let grad = Tensor::<AB::InnerBackend, D>::from_primitive(
-                        TensorPrimitive::Float(grad),
-                    );
+                    let grad =
+                        Tensor::<AB::InnerBackend, D>::from_primitive(TensorPrimitive::Float(grad));
                     self.grads.register::<AB::InnerBackend, D>(param.id, grad);
                 }
             }

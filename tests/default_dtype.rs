@@ -8,10 +8,10 @@ use burn::module::{Module, Param};
 use burn::optim::GradientsParams;
 use burn::prelude::*;
 use burn::tensor::{DType, FloatDType};
-use burn_backend::set_default_float_dtype;
 use burn_amp::optim::FusedAdamWConfig;
 use burn_amp::scaler::GradScalerConfig;
 use burn_amp::{Amp, Precision};
+use burn_backend::set_default_float_dtype;
 
 type B = Amp<Autodiff<Flex>>;
 
@@ -46,7 +46,13 @@ fn device_scalars_are_f32_under_an_f16_default() {
         assert!(!report.skipped(), "step {step} was skipped");
         scaler.update().unwrap();
     }
-    let w = model.w.val().cast(DType::F32).into_data().to_vec::<f32>().unwrap();
+    let w = model
+        .w
+        .val()
+        .cast(DType::F32)
+        .into_data()
+        .to_vec::<f32>()
+        .unwrap();
     // Three AdamW steps of lr · g/|g| = 0.01 each on a gradient of ones.
     assert!(w.iter().all(|v| (v - 0.97).abs() < 2e-3), "{w:?}");
     assert_eq!(scaler.scale_value(), 65536.0);

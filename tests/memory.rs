@@ -119,11 +119,7 @@ fn finder_doubles_then_bisects() {
     // Everything fits: one window of the target itself.
     let plan = find_micro_batch(30, |b| Ok(Some(b as u64))).unwrap();
     assert_eq!(
-        (
-            plan.micro_batch,
-            plan.micro_batches,
-            plan.last_micro_batch
-        ),
+        (plan.micro_batch, plan.micro_batches, plan.last_micro_batch),
         (30, 1, 30)
     );
     assert_eq!(

@@ -193,7 +193,10 @@ fn nesterov_needs_momentum_and_no_dampening() {
     let beta = FusedAdamWConfig::new().with_beta_1(1.0).init::<B, Two<B>>();
     assert!(matches!(
         beta,
-        Err(OptimError::InvalidConfig { field: "beta_1", .. })
+        Err(OptimError::InvalidConfig {
+            field: "beta_1",
+            ..
+        })
     ));
 }
 
@@ -293,7 +296,10 @@ where
         .init::<AB>(&device, precision)
         .unwrap();
     let grads = GradientsParams::from_grads(scaler.scale(loss_of(&model)).backward(), &model);
-    let raw = grads.get::<AB::InnerBackend, 2>(model.w.id).unwrap().dtype();
+    let raw = grads
+        .get::<AB::InnerBackend, 2>(model.w.id)
+        .unwrap()
+        .dtype();
     let mut probe = Unfused(Probe::default());
     let (_, _) = scaler.step(&mut probe, 1e-3, model, grads).unwrap();
     let seen = probe.0.dtypes.lock().unwrap().clone();
@@ -372,5 +378,9 @@ fn step_multi_sums_devices_and_steps() {
     assert_eq!(values(&model.b), vec![1.0; 4], "mid-window");
     let grads = multi(&model);
     let model = accum.step_multi(0.1, model, grads);
-    assert_eq!(values(&model.b), vec![0.95; 4], "the mean of two windows of 0.5");
+    assert_eq!(
+        values(&model.b),
+        vec![0.95; 4],
+        "the mean of two windows of 0.5"
+    );
 }

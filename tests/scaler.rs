@@ -285,14 +285,21 @@ fn growth_past_max_scale_keeps_the_scale() {
         .with_growth_interval(1)
         .with_max_scale(3000.0);
     let end = follow_script(&config, &[false; 4]);
-    assert_eq!(end.scale, 2048.0, "1024 -> 2048, then 4096 > 3000 is refused");
+    assert_eq!(
+        end.scale, 2048.0,
+        "1024 -> 2048, then 4096 > 3000 is refused"
+    );
 
     // The default ceiling only refuses an infinite scale, as PyTorch does.
     let config = GradScalerConfig::new()
         .with_init_scale(2f32.powi(127))
         .with_growth_interval(1);
     let end = follow_script(&config, &[false; 2]);
-    assert_eq!(end.scale, 2f32.powi(127), "2^128 is inf: refused, not f32::MAX");
+    assert_eq!(
+        end.scale,
+        2f32.powi(127),
+        "2^128 is inf: refused, not f32::MAX"
+    );
 }
 
 /// `floor_overflows` counts overflows in a row at the floor: a clean step in between resets
@@ -534,7 +541,8 @@ fn save_and_resume_continue_identically() {
         let scaler_bytes = common::save::<B, _>(scaler.record());
         let optim_bytes = common::save::<B, _>(Optimizer::<Mlp<B>, B>::to_record(&optim));
 
-        let model = Mlp::<B>::new(8, 32, 4, &device).load_record(common::load(model_bytes, &device));
+        let model =
+            Mlp::<B>::new(8, 32, 4, &device).load_record(common::load(model_bytes, &device));
         let scaler_record: GradScalerRecord = common::load::<B, _>(scaler_bytes, &device);
         let mut scaler = scaler_config
             .init::<B>(&device, Precision::F16)

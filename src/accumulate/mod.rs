@@ -85,7 +85,10 @@ type Inner<B> = <B as AutodiffBackend>::InnerBackend;
 #[derive(Debug, Clone)]
 enum WindowScale<B: Backend> {
     /// Seen this run: the scaler's scale tensor and generation at the first micro-step.
-    Live { scale: Tensor<B, 1>, generation: u64 },
+    Live {
+        scale: Tensor<B, 1>,
+        generation: u64,
+    },
     /// Loaded from a record: checked against the scaler at the next micro-step.
     Saved(f32),
 }
@@ -368,10 +371,7 @@ impl<O, B: AutodiffBackend> GradientAccumulation<O, B> {
     }
 
     /// Checks that a scaled micro-step continues the window's scale, and starts or adopts it.
-    fn continue_scaled(
-        &mut self,
-        scale: &ScaleSignals<Inner<B>>,
-    ) -> Result<(), AccumulationError> {
+    fn continue_scaled(&mut self, scale: &ScaleSignals<Inner<B>>) -> Result<(), AccumulationError> {
         if scale.inv_scale.is_none() {
             return Err(AccumulationError::ScalerNotReady {
                 stage: Stage::Unscaled,

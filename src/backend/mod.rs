@@ -17,8 +17,8 @@ use core::marker::PhantomData;
 use burn_backend::tensor::{BoolTensor, FloatTensor, IntTensor, QuantizedTensor};
 use burn_backend::{AutodiffBackend, Backend, BackendTypes, DType, DTypeUsageSet, ExecutionError};
 
-pub use host_reads::host_reads;
 pub(crate) use host_reads::count_host_read;
+pub use host_reads::host_reads;
 pub use policy::{Category, Op};
 
 /// The autocast decorator backend. See the [module docs](self).

@@ -116,7 +116,12 @@ pub(crate) fn output_for<R: CubeRuntime>(
 
 /// A fresh contiguous buffer of `like`'s shape and `dtype`, on its device.
 pub(crate) fn empty_like<R: CubeRuntime>(like: &CubeTensor<R>, dtype: DType) -> CubeTensor<R> {
-    empty_device_dtype(like.client.clone(), like.device.clone(), like.shape(), dtype)
+    empty_device_dtype(
+        like.client.clone(),
+        like.device.clone(),
+        like.shape(),
+        dtype,
+    )
 }
 
 /// A fresh f32 `[1]` buffer on `like`'s device: the step count a kernel writes. Never an

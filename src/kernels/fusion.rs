@@ -26,7 +26,9 @@ struct CustomOp<B, F> {
 
 impl<B, F> core::fmt::Debug for CustomOp<B, F> {
     fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
-        f.debug_struct("CustomOp").field("desc", &self.desc).finish()
+        f.debug_struct("CustomOp")
+            .field("desc", &self.desc)
+            .finish()
     }
 }
 

@@ -40,9 +40,27 @@ impl FusedAdamWConfig {
     /// Checks the values; the error names the field and says what is allowed.
     pub fn validate(&self) -> Result<(), OptimError> {
         let name = "FusedAdamW";
-        check_range(name, "beta_1", self.beta_1, (0.0..1.0).contains(&self.beta_1), "a number in [0, 1)")?;
-        check_range(name, "beta_2", self.beta_2, (0.0..1.0).contains(&self.beta_2), "a number in [0, 1)")?;
-        check_range(name, "epsilon", self.epsilon, self.epsilon >= 0.0, "a finite number >= 0")?;
+        check_range(
+            name,
+            "beta_1",
+            self.beta_1,
+            (0.0..1.0).contains(&self.beta_1),
+            "a number in [0, 1)",
+        )?;
+        check_range(
+            name,
+            "beta_2",
+            self.beta_2,
+            (0.0..1.0).contains(&self.beta_2),
+            "a number in [0, 1)",
+        )?;
+        check_range(
+            name,
+            "epsilon",
+            self.epsilon,
+            self.epsilon >= 0.0,
+            "a finite number >= 0",
+        )?;
         check_range(
             name,
             "weight_decay",
@@ -91,7 +109,14 @@ pub struct FusedAdamWState<B: Backend, const D: usize> {
     pub step: Tensor<B, 1>,
 }
 
-simple_optimizer!(FusedAdamW, FusedAdamWState { exp_avg, exp_avg_sq, step });
+simple_optimizer!(
+    FusedAdamW,
+    FusedAdamWState {
+        exp_avg,
+        exp_avg_sq,
+        step
+    }
+);
 
 impl<B: OptimKernels> ScaledSimpleOptimizer<B> for FusedAdamW {
     fn step_scaled<const D: usize>(
@@ -115,8 +140,14 @@ impl<B: OptimKernels> ScaledSimpleOptimizer<B> for FusedAdamW {
                 step: fallback::zero_count::<B>(&param),
             },
         };
-        let (param, m) =
-            B::adamw_step(param, primitive(grad), moments, scaling, lr as f32, &self.config);
+        let (param, m) = B::adamw_step(
+            param,
+            primitive(grad),
+            moments,
+            scaling,
+            lr as f32,
+            &self.config,
+        );
         let state = FusedAdamWState {
             exp_avg: tensor(m.exp_avg),
             exp_avg_sq: tensor(m.exp_avg_sq),

@@ -7,8 +7,8 @@ use core::marker::PhantomData;
 use std::collections::HashMap as StdHashMap;
 
 use burn::module::{AutodiffModule, ModuleMapper, ModuleVisitor, Param, ParamId};
-use burn::optim::record::AdaptorRecord;
 use burn::optim::grad_clipping::GradientClipping;
+use burn::optim::record::AdaptorRecord;
 use burn::optim::{GradientsParams, LearningRate, MultiGradientsParams, Optimizer};
 use burn::prelude::*;
 use burn::tensor::backend::AutodiffBackend;
@@ -254,7 +254,9 @@ where
             // Clipping must see unscaled gradients: unscale (and check) in one pass first.
             (Some(inv), found) if self.grad_clipping.is_some() => {
                 let found = found.clone().unwrap_or_else(|| scale.zero());
-                let (grads, found) = grads.to_param_dtypes().unscale_and_check(inv.clone(), found);
+                let (grads, found) = grads
+                    .to_param_dtypes()
+                    .unscale_and_check(inv.clone(), found);
                 (grads, found, None)
             }
             // Checked already: the kernels unscale.

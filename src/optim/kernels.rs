@@ -4,10 +4,10 @@
 //! custom ops on `Fusion`.
 
 use burn_backend::tensor::FloatTensor;
-use derive_new::new;
 use burn_backend::{Backend, DType, TensorMetadata};
 use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElement};
 use burn_fusion::{Fusion, FusionBackend};
+use derive_new::new;
 
 use super::{FusedAdamWConfig, FusedSgdConfig};
 use crate::kernels::cube::{
@@ -163,7 +163,11 @@ pub mod fallback {
         }
         let k = AdamWConstants::new(lr, c);
         let dtype = param.dtype();
-        let AdamWMoments { exp_avg, exp_avg_sq, step } = state;
+        let AdamWMoments {
+            exp_avg,
+            exp_avg_sq,
+            step,
+        } = state;
         let p = to_f32::<B>(param.clone());
         let g = B::float_mul(to_f32::<B>(grad), broadcast::<B>(scaling.inv_scale, &shape));
         let m = B::float_add(
@@ -279,7 +283,11 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> OptimKerne
         if param.meta.num_elements() == 0 {
             return fallback::adamw_step::<Self>(param, grad, state, scaling, lr, c);
         }
-        let AdamWMoments { exp_avg, exp_avg_sq, step } = state;
+        let AdamWMoments {
+            exp_avg,
+            exp_avg_sq,
+            step,
+        } = state;
         assert_same_shape(&param, &grad, "the gradient");
         assert_same_shape(&param, &exp_avg, "exp_avg");
         assert_same_shape(&param, &exp_avg_sq, "exp_avg_sq");
@@ -494,7 +502,9 @@ impl<B: FusionBackend + OptimKernels> OptimKernels for Fusion<B> {
                 i.next().unwrap(),
                 i.next().unwrap(),
             );
-            let velocity = i.next().map(|velocity| Velocity::new(velocity, i.next().unwrap()));
+            let velocity = i
+                .next()
+                .map(|velocity| Velocity::new(velocity, i.next().unwrap()));
             let scaling = Scaling::new(inv_scale, found_inf);
             let (p, v) = B::sgd_step(p, g, velocity, scaling, lr, &config);
             let mut out = vec![p];
@@ -506,7 +516,8 @@ impl<B: FusionBackend + OptimKernels> OptimKernels for Fusion<B> {
         })
         .into_iter();
         let p = out.next().unwrap();
-        let velocity = has_velocity.then(|| Velocity::new(out.next().unwrap(), out.next().unwrap()));
+        let velocity =
+            has_velocity.then(|| Velocity::new(out.next().unwrap(), out.next().unwrap()));
         (p, velocity)
     }
 }

@@ -41,7 +41,13 @@ impl FusedSgdConfig {
     /// Checks the values; the error names the field and says what is allowed.
     pub fn validate(&self) -> Result<(), OptimError> {
         let name = "FusedSgd";
-        check_range(name, "momentum", self.momentum, self.momentum >= 0.0, "a finite number >= 0")?;
+        check_range(
+            name,
+            "momentum",
+            self.momentum,
+            self.momentum >= 0.0,
+            "a finite number >= 0",
+        )?;
         check_range(
             name,
             "dampening",
@@ -57,8 +63,20 @@ impl FusedSgdConfig {
             "a finite number >= 0",
         )?;
         if self.nesterov {
-            check_range(name, "momentum", self.momentum, self.momentum > 0.0, "> 0 with nesterov")?;
-            check_range(name, "dampening", self.dampening, self.dampening == 0.0, "0 with nesterov")?;
+            check_range(
+                name,
+                "momentum",
+                self.momentum,
+                self.momentum > 0.0,
+                "> 0 with nesterov",
+            )?;
+            check_range(
+                name,
+                "dampening",
+                self.dampening,
+                self.dampening == 0.0,
+                "0 with nesterov",
+            )?;
         }
         Ok(())
     }
@@ -123,8 +141,14 @@ impl<B: OptimKernels> ScaledSimpleOptimizer<B> for FusedSgd {
                 step: fallback::zero_count::<B>(&param),
             },
         });
-        let (param, velocity) =
-            B::sgd_step(param, primitive(grad), velocity, scaling, lr as f32, &self.config);
+        let (param, velocity) = B::sgd_step(
+            param,
+            primitive(grad),
+            velocity,
+            scaling,
+            lr as f32,
+            &self.config,
+        );
         let state = velocity.map(|v| FusedSgdState {
             velocity: tensor(v.velocity),
             step: tensor(v.step),

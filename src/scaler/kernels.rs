@@ -54,7 +54,10 @@ pub trait ScalerKernels: Backend {
     /// Raises `found_inf` (f32 `[1]`, 0 or 1) to 1 if any element of any gradient is NaN or
     /// ±inf. Reads the gradients, writes nothing else: the fused optimizers unscale inside
     /// their own kernels. Empty tensors are allowed.
-    fn check_finite(grads: Vec<FloatTensor<Self>>, found_inf: FloatTensor<Self>) -> FloatTensor<Self> {
+    fn check_finite(
+        grads: Vec<FloatTensor<Self>>,
+        found_inf: FloatTensor<Self>,
+    ) -> FloatTensor<Self> {
         fallback::check_finite::<Self>(grads, found_inf)
     }
 
@@ -238,11 +241,7 @@ pub mod fallback {
             hyst.clone(),
             B::float_sub_scalar(hyst.clone(), s(1.0)),
         );
-        let inf_floor = select::<B>(
-            at_floor,
-            B::float_add_scalar(floor, s(1.0)),
-            zero(),
-        );
+        let inf_floor = select::<B>(at_floor, B::float_add_scalar(floor, s(1.0)), zero());
 
         // Clean branch.
         let counted = B::float_add_scalar(tracker, s(1.0));
@@ -335,7 +334,10 @@ fn writable_flag<R: CubeRuntime>(found_inf: CubeTensor<R>) -> CubeTensor<R> {
 impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> ScalerKernels
     for CubeBackend<R, F, I, BT>
 {
-    fn check_finite(grads: Vec<FloatTensor<Self>>, found_inf: FloatTensor<Self>) -> FloatTensor<Self> {
+    fn check_finite(
+        grads: Vec<FloatTensor<Self>>,
+        found_inf: FloatTensor<Self>,
+    ) -> FloatTensor<Self> {
         if grads.iter().all(|g| g.meta.num_elements() == 0) {
             return found_inf;
         }
@@ -404,7 +406,10 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> ScalerKern
 }
 
 impl<B: FusionBackend + ScalerKernels> ScalerKernels for Fusion<B> {
-    fn check_finite(grads: Vec<FloatTensor<Self>>, found_inf: FloatTensor<Self>) -> FloatTensor<Self> {
+    fn check_finite(
+        grads: Vec<FloatTensor<Self>>,
+        found_inf: FloatTensor<Self>,
+    ) -> FloatTensor<Self> {
         // Empty gradients stay out of the op: nothing to check.
         let mut inputs: Vec<_> = grads
             .into_iter()
@@ -415,15 +420,11 @@ impl<B: FusionBackend + ScalerKernels> ScalerKernels for Fusion<B> {
         }
         let found = fusion::like::<B>(&found_inf);
         inputs.push(found_inf);
-        let mut out = fusion::custom_op::<B, _>(
-            "burn_amp_check_finite",
-            inputs,
-            &[found],
-            |mut inputs| {
+        let mut out =
+            fusion::custom_op::<B, _>("burn_amp_check_finite", inputs, &[found], |mut inputs| {
                 let found = inputs.pop().unwrap();
                 vec![B::check_finite(inputs, found)]
-            },
-        );
+            });
         out.pop().unwrap()
     }
 
