@@ -8,7 +8,7 @@ use burn_cubecl::tensor::CubeTensor;
 use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElement};
 use burn_fusion::{Fusion, FusionBackend};
 
-use crate::kernels::cube::{address_type, elemwise_dims, empty_like, output_for, vector_size};
+use crate::kernels::cube::{Elementwise, address_type, empty_like, output_for};
 use crate::kernels::cubecl_kernels::accumulate as k;
 use crate::kernels::{fusion, kernels_for_flex_and_amp};
 
@@ -84,9 +84,7 @@ fn accumulate_some<R: CubeRuntime>(
     grad: CubeTensor<R>,
     weight: f32,
 ) -> CubeTensor<R> {
-    let client = acc.client.clone();
-    let vs = vector_size(&[&acc, &grad]);
-    let (count, dim) = elemwise_dims(&client, acc.meta.num_elements(), vs);
+    let launch = Elementwise::over(&[&acc, &grad]);
     let dtype = grad.dtype;
     // `acc` is argument 0.
     let (out, out_view) = output_for(&acc, 0);
@@ -95,11 +93,11 @@ fn accumulate_some<R: CubeRuntime>(
     // one shape (asserted by the caller).
     unsafe {
         k::accumulate_kernel::launch_unchecked(
-            &client,
-            count,
-            dim,
+            &launch.client,
+            launch.count,
+            launch.dim,
             addr,
-            vs,
+            launch.vector_size,
             acc.into_linear_view(),
             grad.into_linear_view(),
             out_view,
@@ -113,9 +111,7 @@ fn accumulate_some<R: CubeRuntime>(
 /// `f32(grad) * weight`, in `grad`'s buffer when it is f32 and may be mutated, else in a
 /// fresh f32 one. `grad` is non-empty.
 fn accumulate_none<R: CubeRuntime>(grad: CubeTensor<R>, weight: f32) -> CubeTensor<R> {
-    let client = grad.client.clone();
-    let vs = vector_size(&[&grad]);
-    let (count, dim) = elemwise_dims(&client, grad.meta.num_elements(), vs);
+    let launch = Elementwise::over(&[&grad]);
     let dtype = grad.dtype;
     let (out, out_view) = if dtype == DType::F32 {
         output_for(&grad, 0)
@@ -128,11 +124,11 @@ fn accumulate_none<R: CubeRuntime>(grad: CubeTensor<R>, weight: f32) -> CubeTens
     // SAFETY: as `accumulate_some`; the output has the gradient's shape.
     unsafe {
         k::accumulate_init_kernel::launch_unchecked(
-            &client,
-            count,
-            dim,
+            &launch.client,
+            launch.count,
+            launch.dim,
             addr,
-            vs,
+            launch.vector_size,
             grad.into_linear_view(),
             out_view,
             weight,

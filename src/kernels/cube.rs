@@ -49,7 +49,7 @@ pub(crate) fn assert_same_shape<R: CubeRuntime>(
 }
 
 /// The widest vector size every tensor allows (all of one shape), 1 if any forbids it.
-pub(crate) fn vector_size<R: CubeRuntime>(tensors: &[&CubeTensor<R>]) -> usize {
+fn vector_size<R: CubeRuntime>(tensors: &[&CubeTensor<R>]) -> usize {
     tensors
         .iter()
         .map(|t| {
@@ -77,18 +77,30 @@ pub(crate) fn address_type<R: CubeRuntime>(tensors: &[&CubeTensor<R>]) -> Addres
         .unwrap_or_default()
 }
 
-/// One unit per vector of `num_elems / vector_size`; over 65,535 cubes is spread on y/z.
-pub(crate) fn elemwise_dims<R: CubeRuntime>(
-    client: &ComputeClient<R>,
-    num_elems: usize,
-    vector_size: usize,
-) -> (CubeCount, CubeDim) {
-    let units = num_elems / vector_size;
-    let cube_dim = CubeDim::new(client, units);
-    (
-        calculate_cube_count_elemwise(client, units, cube_dim),
-        cube_dim,
-    )
+/// The launch of an elementwise kernel over tensors of one shape (the first one's): their
+/// client, the widest vector size they all allow, and one unit per vector (over 65,535 cubes
+/// is spread on y/z).
+pub(crate) struct Elementwise<R: CubeRuntime> {
+    pub client: ComputeClient<R>,
+    pub vector_size: usize,
+    pub count: CubeCount,
+    pub dim: CubeDim,
+}
+
+impl<R: CubeRuntime> Elementwise<R> {
+    pub(crate) fn over(tensors: &[&CubeTensor<R>]) -> Self {
+        let client = tensors[0].client.clone();
+        let vector_size = vector_size(tensors);
+        let units = tensors[0].meta.num_elements() / vector_size;
+        let dim = CubeDim::new(&client, units);
+        let count = calculate_cube_count_elemwise(&client, units, dim);
+        Self {
+            client,
+            vector_size,
+            count,
+            dim,
+        }
+    }
 }
 
 /// An output for `input`: `input` itself (passed as an alias of argument `input_pos`) when

@@ -11,8 +11,8 @@ use derive_new::new;
 
 use super::{FusedAdamWConfig, FusedSgdConfig};
 use crate::kernels::cube::{
-    address_type, assert_f32, assert_same_shape, elemwise_dims, empty_scalar_f32, output_for,
-    scalar_f32, vector_size,
+    Elementwise, address_type, assert_f32, assert_same_shape, empty_scalar_f32, output_for,
+    scalar_f32,
 };
 use crate::kernels::cubecl_kernels::optim as k;
 use crate::kernels::{fusion, kernels_for_flex_and_amp};
@@ -298,9 +298,7 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> OptimKerne
         let found = scalar_f32(scaling.found_inf, "found_inf");
         let k = AdamWConstants::new(lr, c);
 
-        let client = param.client.clone();
-        let vs = vector_size(&[&param, &grad, &exp_avg, &exp_avg_sq]);
-        let (count, dim) = elemwise_dims(&client, param.meta.num_elements(), vs);
+        let launch = Elementwise::over(&[&param, &grad, &exp_avg, &exp_avg_sq]);
         let dtypes = [param.dtype.into(), grad.dtype.into()];
         // Argument positions of the aliased inputs: param 0, exp_avg 2, exp_avg_sq 3.
         let (p_out, p_view) = output_for(&param, 0);
@@ -312,11 +310,11 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> OptimKerne
         // the parameter's shape (asserted), or `[0]` of the f32 `[1]` device scalars.
         unsafe {
             k::adamw_kernel::launch_unchecked(
-                &client,
-                count,
-                dim,
+                &launch.client,
+                launch.count,
+                launch.dim,
                 addr,
-                vs,
+                launch.vector_size,
                 param.into_linear_view(),
                 grad.into_linear_view(),
                 exp_avg.into_linear_view(),
@@ -358,24 +356,22 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> OptimKerne
         assert_same_shape(&param, &grad, "the gradient");
         let inv_scale = scalar_f32(scaling.inv_scale, "inv_scale");
         let found = scalar_f32(scaling.found_inf, "found_inf");
-        let client = param.client.clone();
         let dtypes = [param.dtype.into(), grad.dtype.into()];
         let has_wd = c.weight_decay != 0.0;
 
         let Some(Velocity { velocity, step }) = velocity.filter(|_| c.momentum != 0.0) else {
             // As the fallback: no velocity without momentum (one passed in is dropped).
-            let vs = vector_size(&[&param, &grad]);
-            let (count, dim) = elemwise_dims(&client, param.meta.num_elements(), vs);
+            let launch = Elementwise::over(&[&param, &grad]);
             let (p_out, p_view) = output_for(&param, 0);
             let addr = address_type(&[&param, &grad, &p_out]);
             // SAFETY: as in `adamw_step`.
             unsafe {
                 k::sgd_kernel::launch_unchecked(
-                    &client,
-                    count,
-                    dim,
+                    &launch.client,
+                    launch.count,
+                    launch.dim,
                     addr,
-                    vs,
+                    launch.vector_size,
                     param.into_linear_view(),
                     grad.into_linear_view(),
                     inv_scale.into_tensor_arg(),
@@ -393,8 +389,7 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> OptimKerne
         assert_same_shape(&param, &velocity, "the velocity");
         assert_f32(&velocity, "the velocity");
         let step = scalar_f32(step, "the step count");
-        let vs = vector_size(&[&param, &grad, &velocity]);
-        let (count, dim) = elemwise_dims(&client, param.meta.num_elements(), vs);
+        let launch = Elementwise::over(&[&param, &grad, &velocity]);
         // Argument positions of the aliased inputs: param 0, velocity 2.
         let (p_out, p_view) = output_for(&param, 0);
         let (b_out, b_view) = output_for(&velocity, 2);
@@ -403,11 +398,11 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> OptimKerne
         // SAFETY: as in `adamw_step`.
         unsafe {
             k::sgd_momentum_kernel::launch_unchecked(
-                &client,
-                count,
-                dim,
+                &launch.client,
+                launch.count,
+                launch.dim,
                 addr,
-                vs,
+                launch.vector_size,
                 param.into_linear_view(),
                 grad.into_linear_view(),
                 velocity.into_linear_view(),

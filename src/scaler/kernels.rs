@@ -11,9 +11,7 @@ use burn_fusion::{Fusion, FusionBackend};
 use burn_std::Shape;
 use cubecl::prelude::*;
 
-use crate::kernels::cube::{
-    address_type, elemwise_dims, empty_like, output_for, scalar_f32, vector_size,
-};
+use crate::kernels::cube::{Elementwise, address_type, empty_like, output_for, scalar_f32};
 use crate::kernels::cubecl_kernels::scaler as k;
 use crate::kernels::{fusion, kernels_for_flex_and_amp};
 
@@ -273,20 +271,18 @@ pub mod fallback {
 
 /// Checks one non-empty gradient, raising `found` (f32 `[1]`, mutable) in place.
 fn check_one<R: CubeRuntime>(grad: CubeTensor<R>, found: &CubeTensor<R>) {
-    let client = grad.client.clone();
-    let vs = vector_size(&[&grad]);
-    let (count, dim) = elemwise_dims(&client, grad.meta.num_elements(), vs);
+    let launch = Elementwise::over(&[&grad]);
     let dtype = grad.dtype;
     let addr = address_type(&[&grad]);
     // SAFETY: every access is `ABSOLUTE_POS` behind the gradient's bounds check, or `[0]` of
     // the f32 `[1]` flag.
     unsafe {
         k::check_finite_kernel::launch_unchecked(
-            &client,
-            count,
-            dim,
+            &launch.client,
+            launch.count,
+            launch.dim,
             addr,
-            vs,
+            launch.vector_size,
             grad.into_linear_view(),
             found.clone().into_tensor_arg(),
             dtype.into(),
@@ -300,9 +296,7 @@ fn unscale_one<R: CubeRuntime>(
     inv_scale: &CubeTensor<R>,
     found: &CubeTensor<R>,
 ) -> CubeTensor<R> {
-    let client = grad.client.clone();
-    let vs = vector_size(&[&grad]);
-    let (count, dim) = elemwise_dims(&client, grad.meta.num_elements(), vs);
+    let launch = Elementwise::over(&[&grad]);
     let dtype = grad.dtype;
     let (out, out_view) = output_for(&grad, 0);
     let addr = address_type(&[&grad, &out]);
@@ -310,11 +304,11 @@ fn unscale_one<R: CubeRuntime>(
     // one shape, or `[0]` of the f32 `[1]` device scalars.
     unsafe {
         k::unscale_and_check_kernel::launch_unchecked(
-            &client,
-            count,
-            dim,
+            &launch.client,
+            launch.count,
+            launch.dim,
             addr,
-            vs,
+            launch.vector_size,
             grad.into_linear_view(),
             inv_scale.clone().into_tensor_arg(),
             found.clone().into_tensor_arg(),
