@@ -15,7 +15,7 @@ use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::{DType, Distribution, FloatDType};
 use burn_amp::frozen::param_bytes;
 use burn_amp::{Amp, Frozen, Precision, autocast, freeze};
-use common::models::{Mlp, materialize};
+use common::models::{Mlp, bits, ids, materialize};
 use common::{big_stack, load, save};
 
 type B = Autodiff<Flex>;
@@ -64,18 +64,6 @@ impl<B: Backend> PlainSandwich<B> {
     }
 }
 
-fn ids<B: Backend, M: Module<B>>(module: &M) -> Vec<ParamId> {
-    struct Ids(Vec<ParamId>);
-    impl<B: Backend> ModuleVisitor<B> for Ids {
-        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
-            self.0.push(param.id);
-        }
-    }
-    let mut v = Ids(Vec::new());
-    module.visit(&mut v);
-    v.0
-}
-
 /// `(dtype, require_grad)` of every float parameter.
 fn flags<B: Backend, M: Module<B>>(module: &M) -> Vec<(DType, bool)> {
     struct Flags(Vec<(DType, bool)>);
@@ -85,26 +73,6 @@ fn flags<B: Backend, M: Module<B>>(module: &M) -> Vec<(DType, bool)> {
         }
     }
     let mut v = Flags(Vec::new());
-    module.visit(&mut v);
-    v.0
-}
-
-/// Every float parameter's values, as f32 bits.
-fn bits<B: Backend, M: Module<B>>(module: &M) -> Vec<u32> {
-    struct Bits(Vec<u32>);
-    impl<B: Backend> ModuleVisitor<B> for Bits {
-        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
-            let values = param.val().cast(FloatDType::F32).into_data();
-            self.0.extend(
-                values
-                    .to_vec::<f32>()
-                    .unwrap()
-                    .into_iter()
-                    .map(f32::to_bits),
-            );
-        }
-    }
-    let mut v = Bits(Vec::new());
     module.visit(&mut v);
     v.0
 }
@@ -121,6 +89,26 @@ fn max_rel_diff(a: &[f32], b: &[f32]) -> f32 {
 
 fn input<Bk: Backend>(rows: usize, cols: usize, device: &Bk::Device) -> Tensor<Bk, 2> {
     Tensor::random([rows, cols], Distribution::Normal(0.0, 1.0), device)
+}
+
+/// `steps` optimizer steps (lr 1e-2) on the mean square of `forward`'s output, each on a fresh
+/// `[rows, 8]` input.
+fn train<Bk: AutodiffBackend, M: AutodiffModule<Bk>>(
+    mut model: M,
+    optim: &mut impl Optimizer<M, Bk>,
+    steps: usize,
+    rows: usize,
+    forward: impl Fn(&M, Tensor<Bk, 2>) -> Tensor<Bk, 2>,
+    device: &Bk::Device,
+) -> M {
+    for _ in 0..steps {
+        let loss = forward(&model, input(rows, 8, device))
+            .powi_scalar(2)
+            .mean();
+        let grads = GradientsParams::from_grads(loss.backward(), &model);
+        model = optim.step(1e-2, model, grads);
+    }
+    model
 }
 
 #[test]
@@ -221,11 +209,7 @@ fn a_frozen_middle_passes_the_gradient_to_earlier_layers() {
     let middle_before = bits(&model.middle);
     let first_before = bits(&model.first);
     let mut optim = AdamConfig::new().init::<B, Sandwich<B>>();
-    for _ in 0..4 {
-        let loss = model.forward(input(4, 8, &device)).powi_scalar(2).mean();
-        let grads = GradientsParams::from_grads(loss.backward(), &model);
-        model = optim.step(1e-2, model, grads);
-    }
+    model = train(model, &mut optim, 4, 4, Sandwich::forward, &device);
     let state: HashSet<ParamId> = optim.to_record().keys().copied().collect();
     assert!(state.is_disjoint(&middle_ids));
     assert_eq!(state.len(), 4, "first and last: weight and bias each");
@@ -280,11 +264,7 @@ fn bf16_storage_is_bf16_halves_the_bytes_and_still_trains_the_rest() {
         let backbone_before = bits(&model.backbone);
         let head_before = bits(&model.head);
         let mut optim = AdamConfig::new().init::<A, BackboneHead<A>>();
-        for _ in 0..3 {
-            let loss = model.forward(input(6, 8, &device)).powi_scalar(2).mean();
-            let grads = GradientsParams::from_grads(loss.backward(), &model);
-            model = optim.step(1e-2, model, grads);
-        }
+        model = train(model, &mut optim, 3, 6, BackboneHead::forward, &device);
         assert_eq!(optim.to_record().len(), 2);
         assert_eq!(bits(&model.backbone), backbone_before);
         assert!(

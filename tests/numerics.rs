@@ -16,7 +16,7 @@ use burn::tensor::DType;
 use burn::tensor::backend::AutodiffBackend;
 use burn_amp::grads::GradList;
 use burn_amp::optim::{FusedAdamWConfig, FusedSgdConfig, OptimError};
-use burn_amp::scaler::{GradScalerConfig, ScalerError, Unfused};
+use burn_amp::scaler::{GradScaler, GradScalerConfig, ScalerError, ScalerKernels, Unfused};
 use burn_amp::{Amp, GradientAccumulation, Precision, autocast};
 
 type B = Amp<Autodiff<Flex>>;
@@ -72,6 +72,21 @@ fn grads_for<B: AutodiffBackend, M: AutodiffModule<B>>(
     fill.out
 }
 
+/// A scaler for `precision` whose scale starts at `init_scale`.
+fn scaler<AB: AutodiffBackend>(
+    init_scale: f32,
+    precision: Precision,
+    device: &AB::Device,
+) -> GradScaler<AB>
+where
+    AB::InnerBackend: ScalerKernels,
+{
+    GradScalerConfig::new()
+        .with_init_scale(init_scale)
+        .init::<AB>(device, precision)
+        .unwrap()
+}
+
 /// AdamW keeps a step count per parameter: one that first gets a gradient after ten steps of
 /// another gets AdamW's first update, `lr · g / (|g| + eps)`, not one bias-corrected as the
 /// eleventh (half of it here; about 3× too large after many steps).
@@ -121,10 +136,7 @@ fn tiny_f16_gradients_survive_unscaling() {
     for micro_batches in [1, 2] {
         let model = Two::<B>::new(0.5, DType::F16, &device);
         let ids = [model.a.id, model.b.id];
-        let mut scaler = GradScalerConfig::new()
-            .with_init_scale(scale)
-            .init::<B>(&device, Precision::F16)
-            .unwrap();
+        let mut scaler = scaler::<B>(scale, Precision::F16, &device);
         let adamw = FusedAdamWConfig::new()
             .with_weight_decay(0.0)
             .init::<B, Two<B>>()
@@ -154,10 +166,7 @@ fn sgd_momentum_starts_after_a_skipped_first_step() {
     let device = Default::default();
     let model = Two::<B>::new(1.0, DType::F32, &device);
     let ids = [model.a.id, model.b.id];
-    let mut scaler = GradScalerConfig::new()
-        .with_init_scale(1024.0)
-        .init::<B>(&device, Precision::F16)
-        .unwrap();
+    let mut scaler = scaler::<B>(1024.0, Precision::F16, &device);
     let mut optim = FusedSgdConfig::new()
         .with_momentum(0.9)
         .with_dampening(0.5)
@@ -209,10 +218,7 @@ fn several_modules_share_one_scaler() {
     let discriminator = Two::<B>::new(2.0, DType::F32, &device);
     let gen_ids = [generator.a.id, generator.b.id];
     let disc_ids = [discriminator.a.id, discriminator.b.id];
-    let mut scaler = GradScalerConfig::new()
-        .with_init_scale(1024.0)
-        .init::<B>(&device, Precision::F16)
-        .unwrap();
+    let mut scaler = scaler::<B>(1024.0, Precision::F16, &device);
     let sgd = || FusedSgdConfig::new().init::<B, Two<B>>().unwrap();
     let (mut gen_optim, mut disc_optim) = (sgd(), sgd());
 
@@ -291,10 +297,7 @@ where
     let x = Tensor::<AB, 2>::ones([4, 8], &device);
     let loss_of = |m: &RawMatmul<AB>| x.clone().matmul(m.w.val()).sum();
     // A scale whose gradients fit f16 (65536 × 4 would not).
-    let mut scaler = GradScalerConfig::new()
-        .with_init_scale(1024.0)
-        .init::<AB>(&device, precision)
-        .unwrap();
+    let mut scaler = scaler::<AB>(1024.0, precision, &device);
     let grads = GradientsParams::from_grads(scaler.scale(loss_of(&model)).backward(), &model);
     let raw = grads
         .get::<AB::InnerBackend, 2>(model.w.id)
@@ -331,10 +334,7 @@ fn unscale_casts_to_the_parameter_dtype() {
         w: Param::from_tensor(Tensor::ones([8, 8], &device)),
     };
     let x = Tensor::<AB, 2>::ones([4, 8], &device);
-    let mut scaler = GradScalerConfig::new()
-        .with_init_scale(1024.0)
-        .init::<AB>(&device, Precision::F16)
-        .unwrap();
+    let mut scaler = scaler::<AB>(1024.0, Precision::F16, &device);
     let loss = x.matmul(model.w.val()).sum();
     let mut grads = GradientsParams::from_grads(scaler.scale(loss).backward(), &model);
     scaler.unscale(&model, &mut grads).unwrap();

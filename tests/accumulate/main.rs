@@ -17,11 +17,15 @@ mod scaled;
 use std::collections::HashSet;
 
 use burn::backend::{Autodiff, Flex};
-use burn::module::{Module, ModuleVisitor, Param, ParamId};
+use burn::module::{Module, Param, ParamId};
+use burn::optim::adaptor::OptimizerAdaptor;
+use burn::optim::{Adam, AdamConfig, GradientsParams};
 use burn::prelude::*;
 use burn::tensor::FloatDType;
+use burn::tensor::backend::AutodiffBackend;
 use burn_amp::Amp;
-use common::models::Mlp;
+use burn_amp::accumulate::GradientAccumulation;
+use common::models::{Mlp, bits, ids, params};
 
 type F = Autodiff<Flex>;
 type A = Amp<Autodiff<Flex>>;
@@ -29,21 +33,36 @@ type A = Amp<Autodiff<Flex>>;
 const FEATURES: usize = 8;
 const CLASSES: usize = 4;
 
+/// Features `[rows, FEATURES]` and classes `[rows]`.
+type Batch<B> = (Tensor<B, 2>, Tensor<B, 1, Int>);
+
 /// The loss of one `(x, y)` batch. The shared `Mlp` is a plain chain with batch-independent
 /// layers (no tensor feeding several consumers, so autodiff's order of accumulation is
 /// fixed), and its loss is mean-reduced.
 trait BatchLoss<B: Backend> {
-    fn batch_loss(&self, batch: (Tensor<B, 2>, Tensor<B, 1, Int>)) -> Tensor<B, 1>;
+    fn batch_loss(&self, batch: Batch<B>) -> Tensor<B, 1>;
 }
 
 impl<B: Backend> BatchLoss<B> for Mlp<B> {
-    fn batch_loss(&self, (x, y): (Tensor<B, 2>, Tensor<B, 1, Int>)) -> Tensor<B, 1> {
+    fn batch_loss(&self, (x, y): Batch<B>) -> Tensor<B, 1> {
         self.loss(x, y)
     }
 }
 
 fn mlp<B: Backend>(device: &B::Device) -> Mlp<B> {
     Mlp::new(FEATURES, 32, CLASSES, device)
+}
+
+/// [`mlp`], after seeding the backend with `seed`.
+fn seeded_mlp<B: Backend>(seed: u64, device: &B::Device) -> Mlp<B> {
+    B::seed(device, seed);
+    mlp(device)
+}
+
+/// Adam behind a window of `N` micro-batches.
+fn adam_accumulation<B: AutodiffBackend>()
+-> GradientAccumulation<OptimizerAdaptor<Adam, Mlp<B>, B>, B> {
+    GradientAccumulation::new(AdamConfig::new().init::<B, Mlp<B>>(), N).unwrap()
 }
 
 /// Host data, fixed by `(seed, rows)`: features in [-1, 1), the class is the argmax of the
@@ -68,10 +87,7 @@ fn host_batch(seed: u64, rows: usize) -> (Vec<f32>, Vec<i64>) {
     (x, y)
 }
 
-fn to_tensors<B: Backend>(
-    (x, y): (Vec<f32>, Vec<i64>),
-    device: &B::Device,
-) -> (Tensor<B, 2>, Tensor<B, 1, Int>) {
+fn to_tensors<B: Backend>((x, y): (Vec<f32>, Vec<i64>), device: &B::Device) -> Batch<B> {
     let rows = y.len();
     (
         Tensor::from_data(TensorData::new(x, [rows, FEATURES]), device),
@@ -80,22 +96,23 @@ fn to_tensors<B: Backend>(
 }
 
 /// Micro-batch `i` of optimizer step `step`.
-fn micro<B: Backend>(
-    step: usize,
-    i: usize,
-    b: usize,
-    device: &B::Device,
-) -> (Tensor<B, 2>, Tensor<B, 1, Int>) {
+fn micro<B: Backend>(step: usize, i: usize, b: usize, device: &B::Device) -> Batch<B> {
     to_tensors(host_batch((step * 1000 + i) as u64, b), device)
 }
 
-/// The `n` micro-batches of `step`, concatenated: one batch of `n·b`.
-fn big<B: Backend>(
+/// The gradients of `model`'s loss on micro-batch `i` (of `MICRO` rows) of step `step`.
+fn micro_grads<B: AutodiffBackend>(
+    model: &Mlp<B>,
     step: usize,
-    n: usize,
-    b: usize,
+    i: usize,
     device: &B::Device,
-) -> (Tensor<B, 2>, Tensor<B, 1, Int>) {
+) -> GradientsParams {
+    let loss = model.batch_loss(micro(step, i, MICRO, device));
+    GradientsParams::from_grads(loss.backward(), model)
+}
+
+/// The `n` micro-batches of `step`, concatenated: one batch of `n·b`.
+fn big<B: Backend>(step: usize, n: usize, b: usize, device: &B::Device) -> Batch<B> {
     let (mut x, mut y) = (Vec::new(), Vec::new());
     for i in 0..n {
         let (xi, yi) = host_batch((step * 1000 + i) as u64, b);
@@ -105,38 +122,19 @@ fn big<B: Backend>(
     to_tensors((x, y), device)
 }
 
-fn params<B: Backend, M: Module<B>>(module: &M) -> Vec<f32> {
-    struct Values(Vec<f32>);
-    impl<B: Backend> ModuleVisitor<B> for Values {
-        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
-            let data = param.val().cast(FloatDType::F32).into_data();
-            self.0.extend(data.to_vec::<f32>().unwrap());
-        }
-    }
-    let mut v = Values(Vec::new());
-    module.visit(&mut v);
-    v.0
-}
-
-fn bits<B: Backend, M: Module<B>>(module: &M) -> Vec<u32> {
-    params(module).into_iter().map(f32::to_bits).collect()
-}
-
 fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
     assert_eq!(a.len(), b.len());
     a.iter().zip(b).fold(0f32, |m, (x, y)| m.max((x - y).abs()))
 }
 
-fn ids<B: Backend, M: Module<B>>(module: &M) -> HashSet<ParamId> {
-    struct Ids(HashSet<ParamId>);
-    impl<B: Backend> ModuleVisitor<B> for Ids {
-        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
-            self.0.insert(param.id);
-        }
-    }
-    let mut v = Ids(HashSet::new());
-    module.visit(&mut v);
-    v.0
+/// The L2 norm of the update from `init` to `model`, over every parameter.
+fn update_norm<B: Backend>(model: &Mlp<B>, init: &Mlp<B>) -> f64 {
+    params(model)
+        .iter()
+        .zip(params(init))
+        .map(|(a, b)| ((a - b) as f64).powi(2))
+        .sum::<f64>()
+        .sqrt()
 }
 
 const N: usize = 4;

@@ -1,13 +1,11 @@
 //! Save and resume: a run stopped mid-window resumes bit for bit, plain and scaled; a
 //! record of another scale or window size is refused.
 
-use burn::optim::{AdamConfig, GradientsParams, Optimizer, SgdConfig};
+use burn::optim::{Optimizer, SgdConfig};
 use burn_amp::accumulate::{AccumulationError, GradientAccumulation};
 use burn_amp::scaler::{GradScaler, GradScalerRecord, ScaledStep, ScalerError};
-use burn_amp::{Precision, autocast};
 
-use super::common::big_stack;
-use super::scaled::{scaled_grads, scaler};
+use super::scaled::{refused_step, scaled_grads, scaler, under_f16};
 use super::*;
 
 const WINDOWS: usize = 3;
@@ -20,12 +18,7 @@ fn run_plain(
 ) -> Mlp<F> {
     let device = Default::default();
     for k in range {
-        let grads = GradientsParams::from_grads(
-            model
-                .batch_loss(micro(k / N, k % N, MICRO, &device))
-                .backward(),
-            &model,
-        );
+        let grads = micro_grads(&model, k / N, k % N, &device);
         model = accum.step(1e-2, model, grads);
     }
     model
@@ -34,23 +27,23 @@ fn run_plain(
 #[test]
 fn resume_after_micro_step_k_is_bit_identical() {
     let device = Default::default();
-    F::seed(&device, 14);
-    let init = mlp::<F>(&device);
-    let make = || GradientAccumulation::new(AdamConfig::new().init::<F, Mlp<F>>(), N).unwrap();
+    let init = seeded_mlp::<F>(14, &device);
     let total = WINDOWS * N;
 
-    let mut accum = make();
+    let mut accum = adam_accumulation::<F>();
     let straight = run_plain(init.clone(), &mut accum, 0..total);
 
     for stop in [1, N + 2, 2 * N - 1] {
-        let mut accum = make();
+        let mut accum = adam_accumulation::<F>();
         let half = run_plain(init.clone(), &mut accum, 0..stop);
         let model_bytes = common::save::<F, _>(half.into_record());
         let accum_bytes = common::save::<F, _>(Optimizer::<Mlp<F>, F>::to_record(&accum));
 
         let model = mlp::<F>(&device).load_record(common::load::<F, _>(model_bytes, &device));
-        let mut accum =
-            Optimizer::<Mlp<F>, F>::load_record(make(), common::load::<F, _>(accum_bytes, &device));
+        let mut accum = Optimizer::<Mlp<F>, F>::load_record(
+            adam_accumulation::<F>(),
+            common::load::<F, _>(accum_bytes, &device),
+        );
         assert_eq!(accum.micro_step(), stop % N);
         let resumed = run_plain(model, &mut accum, stop..total);
         assert_eq!(
@@ -79,16 +72,13 @@ fn run_scaled<O: ScaledStep<Mlp<A>, A>>(
 
 #[test]
 fn resume_after_micro_step_k_is_bit_identical_scaled() {
-    big_stack(|| {
+    under_f16(|| {
         let device = Default::default();
-        let _g = autocast(Precision::F16);
-        A::seed(&device, 15);
-        let init = mlp::<A>(&device);
-        let make = || GradientAccumulation::new(AdamConfig::new().init::<A, Mlp<A>>(), N).unwrap();
+        let init = seeded_mlp::<A>(15, &device);
         let total = WINDOWS * N;
 
         let mut scaler_a = scaler(1024.0, 1);
-        let mut accum = make();
+        let mut accum = adam_accumulation::<A>();
         let straight = run_scaled(init.clone(), &mut scaler_a, &mut accum, 0..total);
         let straight_scaler = scaler_a.record();
         // The overflow and the growth moved the scale: the trajectory was exercised.
@@ -97,7 +87,7 @@ fn resume_after_micro_step_k_is_bit_identical_scaled() {
         // Stopped inside the overflowing window, after the overflow, and in the last one.
         for stop in [6, 2 * N + 1] {
             let mut scaler_b = scaler(1024.0, 1);
-            let mut accum = make();
+            let mut accum = adam_accumulation::<A>();
             let half = run_scaled(init.clone(), &mut scaler_b, &mut accum, 0..stop);
             let model_bytes = common::save::<A, _>(half.into_record());
             let accum_bytes = common::save::<A, _>(Optimizer::<Mlp<A>, A>::to_record(&accum));
@@ -105,7 +95,7 @@ fn resume_after_micro_step_k_is_bit_identical_scaled() {
 
             let model = mlp::<A>(&device).load_record(common::load::<A, _>(model_bytes, &device));
             let mut accum = Optimizer::<Mlp<A>, A>::load_record(
-                make(),
+                adam_accumulation::<A>(),
                 common::load::<A, _>(accum_bytes, &device),
             );
             let scaler_record: GradScalerRecord = common::load::<A, _>(scaler_bytes, &device);
@@ -126,27 +116,23 @@ fn resume_after_micro_step_k_is_bit_identical_scaled() {
 /// summing gradients of two scales.
 #[test]
 fn a_resumed_window_refuses_another_scale() {
-    big_stack(|| {
+    under_f16(|| {
         let device = Default::default();
-        let _g = autocast(Precision::F16);
-        A::seed(&device, 18);
-        let init = mlp::<A>(&device);
-        let make = || GradientAccumulation::new(AdamConfig::new().init::<A, Mlp<A>>(), N).unwrap();
+        let init = seeded_mlp::<A>(18, &device);
         let mut scaler_a = scaler(1024.0, 1000);
-        let mut accum = make();
+        let mut accum = adam_accumulation::<A>();
         let model = run_scaled(init, &mut scaler_a, &mut accum, 0..2);
         let record = Optimizer::<Mlp<A>, A>::to_record(&accum);
         assert_eq!(record.window_scale, Some(1024.0));
         let bytes = common::save::<A, _>(record);
 
-        let mut resumed =
-            Optimizer::<Mlp<A>, A>::load_record(make(), common::load::<A, _>(bytes, &device));
+        let mut resumed = Optimizer::<Mlp<A>, A>::load_record(
+            adam_accumulation::<A>(),
+            common::load::<A, _>(bytes, &device),
+        );
         let mut other = scaler(2048.0, 1000);
         let grads = scaled_grads(&model, &other, 0, 2, false);
-        let err = other
-            .step(&mut resumed, 1e-2, model.clone(), grads)
-            .map(|_| ())
-            .unwrap_err();
+        let err = refused_step(&mut other, &mut resumed, &model, grads);
         assert_eq!(
             err,
             ScalerError::Accumulation(AccumulationError::WindowScaleMismatch {

@@ -5,7 +5,7 @@ use burn::optim::{AdamConfig, GradientsParams, SgdConfig};
 use burn::tensor::backend::AutodiffBackend;
 use burn_amp::accumulate::{AccumulationError, GradientAccumulation, GradientAccumulationConfig};
 use burn_amp::optim::FusedAdamWConfig;
-use burn_amp::scaler::{GradScaler, GradScalerConfig, ScalerError, Stage};
+use burn_amp::scaler::{GradScaler, GradScalerConfig, ScaledStep, ScalerError, Stage};
 use burn_amp::{Precision, autocast};
 
 use super::common::big_stack;
@@ -39,18 +39,36 @@ pub(super) fn scaled_grads(
     grads
 }
 
+/// Runs `test` under f16 autocast, on a large stack.
+pub(super) fn under_f16(test: impl FnOnce() + Send + 'static) {
+    big_stack(move || {
+        let _g = autocast(Precision::F16);
+        test()
+    });
+}
+
+/// A scaled step that must be refused: its error (the model stays the caller's).
+pub(super) fn refused_step<O: ScaledStep<Mlp<A>, A>>(
+    scaler: &mut GradScaler<A>,
+    accum: &mut GradientAccumulation<O, A>,
+    model: &Mlp<A>,
+    grads: GradientsParams,
+) -> ScalerError {
+    scaler
+        .step(accum, 1e-2, model.clone(), grads)
+        .map(|_| ())
+        .unwrap_err()
+}
+
 /// Three windows of N; micro-step 2 of window 1 overflows.
 fn overflow_skips_the_window_once(fused: bool) {
-    big_stack(move || {
+    under_f16(move || {
         let device = Default::default();
-        let _g = autocast(Precision::F16);
-        A::seed(&device, 12);
-        let mut model = mlp::<A>(&device);
+        let mut model = seeded_mlp::<A>(12, &device);
         let mut scaler = scaler(1024.0, 1000);
         let fused_adamw = FusedAdamWConfig::new().init::<A, Mlp<A>>().unwrap();
         let mut accum_fused = GradientAccumulation::new(fused_adamw, N).unwrap();
-        let mut accum =
-            GradientAccumulation::new(AdamConfig::new().init::<A, Mlp<A>>(), N).unwrap();
+        let mut accum = adam_accumulation::<A>();
         let mut skipped = Vec::new();
         let mut scales = Vec::new();
         for window in 0..3 {
@@ -102,11 +120,9 @@ fn an_overflow_in_one_micro_step_skips_the_whole_window_once_fused() {
 
 #[test]
 fn scaled_windows_unscale_before_clipping() {
-    big_stack(|| {
+    under_f16(|| {
         let device = Default::default();
-        let _g = autocast(Precision::F16);
-        A::seed(&device, 13);
-        let init = mlp::<A>(&device);
+        let init = seeded_mlp::<A>(13, &device);
         let mut model = init.clone();
         let mut scaler = scaler(1024.0, 1000);
         let max_norm = 0.01;
@@ -119,12 +135,7 @@ fn scaled_windows_unscale_before_clipping() {
             model = scaler.step(&mut accum, 1.0, model, grads).unwrap().0;
             scaler.update().unwrap();
         }
-        let norm = params(&model)
-            .iter()
-            .zip(params(&init))
-            .map(|(a, b)| ((a - b) as f64).powi(2))
-            .sum::<f64>()
-            .sqrt();
+        let norm = update_norm(&model, &init);
         // Clipping the still-scaled sum would give max_norm / 1024.
         assert!((norm - max_norm as f64).abs() < 1e-4, "update norm {norm}");
     });
@@ -132,13 +143,11 @@ fn scaled_windows_unscale_before_clipping() {
 
 #[test]
 fn touching_the_scaler_mid_window_is_a_typed_error() {
-    big_stack(|| {
+    under_f16(|| {
         let device = Default::default();
-        let _g = autocast(Precision::F16);
         let mut model = mlp::<A>(&device);
         let mut scaler = scaler(1024.0, 1000);
-        let mut accum =
-            GradientAccumulation::new(AdamConfig::new().init::<A, Mlp<A>>(), N).unwrap();
+        let mut accum = adam_accumulation::<A>();
 
         let grads = scaled_grads(&model, &scaler, 0, 0, false);
         model = scaler.step(&mut accum, 1e-2, model, grads).unwrap().0;
@@ -148,10 +157,7 @@ fn touching_the_scaler_mid_window_is_a_typed_error() {
         let mut grads = scaled_grads(&model, &scaler, 0, 1, false);
         let mut probe = scaler.clone();
         probe.unscale(&model, &mut grads).unwrap();
-        let err = probe
-            .step(&mut accum, 1e-2, model.clone(), grads)
-            .map(|_| ())
-            .unwrap_err();
+        let err = refused_step(&mut probe, &mut accum, &model, grads);
         assert_eq!(
             err,
             ScalerError::Accumulation(AccumulationError::ScalerNotReady {
@@ -166,10 +172,7 @@ fn touching_the_scaler_mid_window_is_a_typed_error() {
         let (m, _) = probe.step(&mut other, 1e-2, model.clone(), grads).unwrap();
         probe.update().unwrap();
         let grads = scaled_grads(&m, &probe, 0, 1, false);
-        let err = probe
-            .step(&mut accum, 1e-2, model.clone(), grads)
-            .map(|_| ())
-            .unwrap_err();
+        let err = refused_step(&mut probe, &mut accum, &model, grads);
         assert_eq!(
             err,
             ScalerError::Accumulation(AccumulationError::ScaleChangedMidWindow { micro_step: 1 })

@@ -1,6 +1,5 @@
 //! Deformable convolution runs in f32.
 
-use burn::backend::{Flex, Wgpu};
 use burn::tensor::{TensorData, module};
 use burn_amp::{Amp, autocast};
 use burn_backend::ops::DeformConvOptions;
@@ -53,19 +52,8 @@ fn deform_conv_matches_f32<B: Backend>(device: &B::Device, precision: Precision)
     );
 }
 
-#[test]
-fn deform_conv2d_runs_in_f32_flex_f16() {
-    deform_conv_matches_f32::<Flex>(&Default::default(), Precision::F16);
-}
-
-#[test]
-fn deform_conv2d_runs_in_f32_flex_bf16() {
-    deform_conv_matches_f32::<Flex>(&Default::default(), Precision::Bf16);
-}
-
-#[test]
-fn deform_conv2d_runs_in_f32_wgpu_f16() {
-    if let Some(device) = common::wgpu_device() {
-        deform_conv_matches_f32::<Wgpu>(&device, Precision::F16);
-    }
-}
+flex_and_wgpu_tests!(deform_conv_matches_f32:
+    deform_conv2d_runs_in_f32_flex_f16,
+    deform_conv2d_runs_in_f32_flex_bf16,
+    deform_conv2d_runs_in_f32_wgpu_f16
+);

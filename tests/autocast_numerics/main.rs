@@ -5,12 +5,35 @@
 //!
 //! Every comparison states its tolerance; the references run the same values in f32.
 //!
-//! Layout: this file holds the shared helpers; `pooling.rs`, `deform_conv.rs`,
-//! `attention.rs`, `probabilities.rs` (which also declares this binary's counting
-//! `#[global_allocator]`, for the SiLU measurement) and `support.rs` the tests.
+//! Layout: this file holds the shared helpers and `flex_and_wgpu_tests!`; `pooling.rs`,
+//! `deform_conv.rs`, `attention.rs`, `probabilities.rs` (which also declares this binary's
+//! counting `#[global_allocator]`, for the SiLU measurement) and `support.rs` the tests.
 
 #[path = "../common/mod.rs"]
 mod common;
+
+/// The three tests of a check `check::<B>(device, precision)`: on Flex in f16 and in bf16,
+/// and on wgpu in f16 where this machine has an adapter.
+macro_rules! flex_and_wgpu_tests {
+    ($check:ident: $flex_f16:ident, $flex_bf16:ident, $wgpu_f16:ident) => {
+        #[test]
+        fn $flex_f16() {
+            $check::<burn::backend::Flex>(&Default::default(), Precision::F16);
+        }
+
+        #[test]
+        fn $flex_bf16() {
+            $check::<burn::backend::Flex>(&Default::default(), Precision::Bf16);
+        }
+
+        #[test]
+        fn $wgpu_f16() {
+            if let Some(device) = common::wgpu_device() {
+                $check::<burn::backend::Wgpu>(&device, Precision::F16);
+            }
+        }
+    };
+}
 
 mod attention;
 mod deform_conv;

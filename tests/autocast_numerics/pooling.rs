@@ -1,6 +1,6 @@
 //! Average pooling accumulates in f32.
 
-use burn::backend::{Autodiff, Flex, Wgpu};
+use burn::backend::{Autodiff, Flex};
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::{TensorData, module};
 use burn_amp::{Amp, autocast};
@@ -84,22 +84,11 @@ fn pooling_matches_f32<B: Backend>(device: &B::Device, precision: Precision) {
     );
 }
 
-#[test]
-fn average_pooling_accumulates_in_f32_flex_f16() {
-    pooling_matches_f32::<Flex>(&Default::default(), Precision::F16);
-}
-
-#[test]
-fn average_pooling_accumulates_in_f32_flex_bf16() {
-    pooling_matches_f32::<Flex>(&Default::default(), Precision::Bf16);
-}
-
-#[test]
-fn average_pooling_accumulates_in_f32_wgpu_f16() {
-    if let Some(device) = common::wgpu_device() {
-        pooling_matches_f32::<Wgpu>(&device, Precision::F16);
-    }
-}
+flex_and_wgpu_tests!(pooling_matches_f32:
+    average_pooling_accumulates_in_f32_flex_f16,
+    average_pooling_accumulates_in_f32_flex_bf16,
+    average_pooling_accumulates_in_f32_wgpu_f16
+);
 
 /// Forward and backward of the pooling ops on a training stack: an f32 parameter cast to the
 /// low dtype (an activation), pooled, weighted per channel by (3, -2) and summed. The f32

@@ -1,6 +1,7 @@
-//! Small models used by several tests and benches, written once.
+//! Small models used by several tests and benches, written once, and readers of a module's
+//! float parameters (values, bits, ids).
 
-use burn::module::Module;
+use burn::module::{Module, ModuleVisitor, Param, ParamId};
 use burn::nn::loss::CrossEntropyLossConfig;
 use burn::nn::{Linear, LinearConfig};
 use burn::prelude::*;
@@ -10,6 +11,38 @@ use burn::prelude::*;
 pub fn materialize<B: Backend, M: Module<B>>(module: M) -> M {
     let record = module.clone().into_record();
     module.load_record(record)
+}
+
+/// Every float parameter's values, as f32, in visiting order.
+pub fn params<B: Backend, M: Module<B>>(module: &M) -> Vec<f32> {
+    struct Values(Vec<f32>);
+    impl<B: Backend> ModuleVisitor<B> for Values {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+            let data = param.val().cast(burn::tensor::FloatDType::F32).into_data();
+            self.0.extend(data.to_vec::<f32>().unwrap());
+        }
+    }
+    let mut v = Values(Vec::new());
+    module.visit(&mut v);
+    v.0
+}
+
+/// Every float parameter's values, as f32 bits, to compare modules exactly.
+pub fn bits<B: Backend, M: Module<B>>(module: &M) -> Vec<u32> {
+    params(module).into_iter().map(f32::to_bits).collect()
+}
+
+/// Every float parameter's id, in visiting order.
+pub fn ids<B: Backend, M: Module<B>>(module: &M) -> Vec<ParamId> {
+    struct Ids(Vec<ParamId>);
+    impl<B: Backend> ModuleVisitor<B> for Ids {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+            self.0.push(param.id);
+        }
+    }
+    let mut v = Ids(Vec::new());
+    module.visit(&mut v);
+    v.0
 }
 
 /// Two linear layers with a GELU between them.

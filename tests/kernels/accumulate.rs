@@ -231,36 +231,15 @@ fn accumulate_fallback_is_the_tensor_composition_flex() {
 // The tests: every check on Wgpu (fusion) and on the bare CubeBackend.
 // ---------------------------------------------------------------------------------------
 
-on_both!(accumulate_f32, |B, d| check_accumulate::<B>(
-    d,
-    FloatDType::F32
-));
-on_both!(accumulate_f16, |B, d| check_accumulate::<B>(
-    d,
-    FloatDType::F16
-));
-on_both!(accumulate_window_f32, |B, d| check_accumulate_window::<B>(
-    d,
-    FloatDType::F32
-));
-on_both!(accumulate_window_f16, |B, d| check_accumulate_window::<B>(
-    d,
-    FloatDType::F16
-));
-on_both!(accumulate_never_writes_held_clones_f32, |B, d| {
-    check_accumulate_held_clones::<B>(d, FloatDType::F32)
-});
-on_both!(accumulate_never_writes_held_clones_f16, |B, d| {
-    check_accumulate_held_clones::<B>(d, FloatDType::F16)
-});
-on_both!(
-    accumulate_strided_f32,
-    |B, d| check_accumulate_strided::<B>(d, FloatDType::F32)
-);
-on_both!(
-    accumulate_strided_f16,
-    |B, d| check_accumulate_strided::<B>(d, FloatDType::F16)
-);
-on_both!(accumulate_fallback_is_the_tensor_composition, |B, d| {
-    check_fallback_is_the_composition::<B>(d, &[FloatDType::F32, FloatDType::F16])
-});
+on_both! {
+    accumulate_f32: check_accumulate(FloatDType::F32);
+    accumulate_f16: check_accumulate(FloatDType::F16);
+    accumulate_window_f32: check_accumulate_window(FloatDType::F32);
+    accumulate_window_f16: check_accumulate_window(FloatDType::F16);
+    accumulate_never_writes_held_clones_f32: check_accumulate_held_clones(FloatDType::F32);
+    accumulate_never_writes_held_clones_f16: check_accumulate_held_clones(FloatDType::F16);
+    accumulate_strided_f32: check_accumulate_strided(FloatDType::F32);
+    accumulate_strided_f16: check_accumulate_strided(FloatDType::F16);
+    accumulate_fallback_is_the_tensor_composition:
+        check_fallback_is_the_composition(&[FloatDType::F32, FloatDType::F16]);
+}

@@ -203,30 +203,26 @@ fn devices() -> Option<WgpuDevice> {
 // ---------------------------------------------------------------------------------------
 
 macro_rules! on_both {
-    ($name:ident, |$b:ident, $dev:ident| $body:expr) => {
-        mod $name {
-            use super::*;
-            #[test]
-            fn fusion() {
-                if let Some(device) = devices() {
-                    common::big_stack(move || {
-                        let $dev = &device;
-                        type $b = Wgpu;
-                        $body
-                    });
-                }
-            }
-            #[test]
-            fn cube() {
-                if let Some(device) = devices() {
-                    common::big_stack(move || {
-                        let $dev = &device;
-                        type $b = Cube;
-                        $body
-                    });
-                }
+    // One test: `check::<$backend>(&device, args)`, skipped where this machine has no wgpu
+    // adapter.
+    (@test $test:ident, $backend:ty, $check:ident($($arg:expr),*)) => {
+        #[test]
+        fn $test() {
+            if let Some(device) = devices() {
+                common::big_stack(move || $check::<$backend>(&device, $($arg),*));
             }
         }
+    };
+    // `name: check(args);` per check: a module `name` with the tests `fusion` (`Wgpu`) and
+    // `cube` (`Cube`), each running `check::<B>(&device, args)`.
+    ($($name:ident: $check:ident($($arg:expr),*);)+) => {
+        $(
+            mod $name {
+                use super::*;
+                on_both!(@test fusion, Wgpu, $check($($arg),*));
+                on_both!(@test cube, Cube, $check($($arg),*));
+            }
+        )+
     };
 }
 

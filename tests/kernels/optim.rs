@@ -58,6 +58,18 @@ pub(super) fn zero_moments<B: Backend>(
     }
 }
 
+/// A velocity holding `values`, with a step count of 0 (no step applied yet).
+pub(super) fn fresh_velocity<B: Backend>(
+    values: Vec<f32>,
+    shape: &[usize],
+    device: &B::Device,
+) -> Velocity<FloatTensor<B>> {
+    Velocity {
+        velocity: tensor::<B>(values, shape, FloatDType::F32, device),
+        step: scalar::<B>(0.0, device),
+    }
+}
+
 /// One AdamW step, by the kernel or by the fallback.
 pub(super) fn adamw<B: AmpKernels>(
     kernel: bool,
@@ -123,16 +135,11 @@ fn check_empty_steps<B: AmpKernels>(device: &B::Device) {
     let c = adamw_config(0.9, 0.999, 1e-8, 0.0);
     let mut counts = Vec::new();
     for kernel in [true, false] {
-        let state = AdamWMoments {
-            exp_avg: e(),
-            exp_avg_sq: e(),
-            step: scalar::<B>(0.0, device),
-        };
         let (p, s) = adamw::<B>(
             kernel,
             e(),
             e(),
-            state,
+            zero_moments::<B>(&[0, 3], 0.0, device),
             scaling::<B>(1.0, 0.0, device),
             1e-3,
             &c,
@@ -144,15 +151,11 @@ fn check_empty_steps<B: AmpKernels>(device: &B::Device) {
     }
     let c = sgd_config(0.9, 0.0, 0.0, false);
     for kernel in [true, false] {
-        let velocity = Velocity {
-            velocity: e(),
-            step: scalar::<B>(0.0, device),
-        };
         let (p, b) = sgd::<B>(
             kernel,
             e(),
             e(),
-            Some(velocity),
+            Some(fresh_velocity::<B>(vec![], &[0, 3], device)),
             scaling::<B>(1.0, 0.0, device),
             0.1,
             &c,
@@ -170,4 +173,6 @@ fn check_empty_steps<B: AmpKernels>(device: &B::Device) {
 // The tests: every check on Wgpu (fusion) and on the bare CubeBackend.
 // ---------------------------------------------------------------------------------------
 
-on_both!(empty_steps, |B, d| check_empty_steps::<B>(d));
+on_both! {
+    empty_steps: check_empty_steps();
+}

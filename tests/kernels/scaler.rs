@@ -23,6 +23,24 @@ const SHAPES: &[&[usize]] = &[
     &[4, 0],
 ];
 
+/// The unscaled gradients and the `found_inf` flag `unscale_and_check` returns.
+type Unscaled<B> = (Vec<FloatTensor<B>>, FloatTensor<B>);
+
+/// `unscale_and_check` by the kernel and by the fallback, each on its own gradients from
+/// `grads`.
+fn unscale_both<B: AmpKernels>(
+    grads: impl Fn() -> Vec<FloatTensor<B>>,
+    inv_scale: f32,
+    found_inf: f32,
+    device: &B::Device,
+) -> (Unscaled<B>, Unscaled<B>) {
+    let inv = || scalar::<B>(inv_scale, device);
+    let found = || scalar::<B>(found_inf, device);
+    let kernel = B::unscale_and_check(grads(), inv(), found());
+    let reference = fallback::unscale_and_check::<B>(grads(), inv(), found());
+    (kernel, reference)
+}
+
 fn check_unscale<B: AmpKernels>(device: &B::Device, dtype: FloatDType, seed: u64) {
     let mut rng = Rng::new(seed);
     let injects = [
@@ -39,18 +57,9 @@ fn check_unscale<B: AmpKernels>(device: &B::Device, dtype: FloatDType, seed: u64
                 let what =
                     format!("unscale {shape:?} {dtype:?} {inject:?} inv {inv} found {found0}");
                 let g = grad_values(&mut rng, n, inject);
-                let grad = tensor::<B>(g.clone(), shape, dtype, device);
-                let (outs, found) = B::unscale_and_check(
-                    vec![grad],
-                    scalar::<B>(inv, device),
-                    scalar::<B>(found0, device),
-                );
-                let grad_ref = tensor::<B>(g.clone(), shape, dtype, device);
-                let (refs, found_ref) = fallback::unscale_and_check::<B>(
-                    vec![grad_ref],
-                    scalar::<B>(inv, device),
-                    scalar::<B>(found0, device),
-                );
+                let grad = || vec![tensor::<B>(g.clone(), shape, dtype, device)];
+                let ((outs, found), (refs, found_ref)) =
+                    unscale_both::<B>(grad, inv, found0, device);
                 assert_eq!(outs.len(), 1);
                 let out = outs.into_iter().next().unwrap();
                 assert_eq!(out.shape(), Shape::from(shape.to_vec()), "{what}: shape");
@@ -93,16 +102,8 @@ fn check_unscale_list<B: AmpKernels>(device: &B::Device, dtype: FloatDType) {
                 .collect()
         };
         let inv = 1.0 / 65536.0;
-        let (outs, found) = B::unscale_and_check(
-            make(&data),
-            scalar::<B>(inv, device),
-            scalar::<B>(0.0, device),
-        );
-        let (refs, found_ref) = fallback::unscale_and_check::<B>(
-            make(&data),
-            scalar::<B>(inv, device),
-            scalar::<B>(0.0, device),
-        );
+        let ((outs, found), (refs, found_ref)) =
+            unscale_both::<B>(|| make(&data), inv, 0.0, device);
         assert_eq!(outs.len(), shapes.len());
         for (i, (o, r)) in outs.into_iter().zip(refs).enumerate() {
             let what = format!("unscale list {dtype:?} poisoned {poisoned:?}, grad {i}");
@@ -143,16 +144,8 @@ fn check_non_contiguous<B: AmpKernels>(device: &B::Device, dtype: FloatDType) {
         let make =
             || B::float_swap_dims(tensor::<B>(g.clone(), &[rows, cols], dtype, device), 0, 1);
         let what = format!("strided unscale {dtype:?} {inject:?}");
-        let (outs, found) = B::unscale_and_check(
-            vec![make()],
-            scalar::<B>(0.25, device),
-            scalar::<B>(0.0, device),
-        );
-        let (refs, found_ref) = fallback::unscale_and_check::<B>(
-            vec![make()],
-            scalar::<B>(0.25, device),
-            scalar::<B>(0.0, device),
-        );
+        let ((outs, found), (refs, found_ref)) =
+            unscale_both::<B>(|| vec![make()], 0.25, 0.0, device);
         assert_eq!(outs[0].shape(), Shape::new([cols, rows]), "{what}");
         assert_close(
             &what,
@@ -666,66 +659,21 @@ fn check_update_scale_edges<B: AmpKernels>(device: &B::Device) {
 // The tests: every check on Wgpu (fusion) and on the bare CubeBackend.
 // ---------------------------------------------------------------------------------------
 
-on_both!(unscale_f32, |B, d| check_unscale::<B>(
-    d,
-    FloatDType::F32,
-    1
-));
-on_both!(unscale_f16, |B, d| check_unscale::<B>(
-    d,
-    FloatDType::F16,
-    2
-));
-on_both!(unscale_list_f32, |B, d| check_unscale_list::<B>(
-    d,
-    FloatDType::F32
-));
-on_both!(unscale_list_f16, |B, d| check_unscale_list::<B>(
-    d,
-    FloatDType::F16
-));
-on_both!(unscale_never_writes_held_clones, |B, d| {
-    check_unscale_no_alias::<B>(d)
-});
-on_both!(strided_f32, |B, d| check_non_contiguous::<B>(
-    d,
-    FloatDType::F32
-));
-on_both!(strided_f16, |B, d| check_non_contiguous::<B>(
-    d,
-    FloatDType::F16
-));
-on_both!(update_scale_script, |B, d| check_update_scale::<B>(d));
-on_both!(
-    update_scale_edge_states,
-    |B, d| check_update_scale_edges::<B>(d)
-);
-on_both!(check_finite_f32, |B, d| check_check_finite::<B>(
-    d,
-    FloatDType::F32,
-    3
-));
-on_both!(check_finite_f16, |B, d| check_check_finite::<B>(
-    d,
-    FloatDType::F16,
-    4
-));
-on_both!(check_finite_list_f32, |B, d| check_check_finite_list::<B>(
-    d,
-    FloatDType::F32
-));
-on_both!(check_finite_list_f16, |B, d| check_check_finite_list::<B>(
-    d,
-    FloatDType::F16
-));
-on_both!(
-    check_finite_strided_f32,
-    |B, d| check_check_finite_strided::<B>(d, FloatDType::F32)
-);
-on_both!(
-    check_finite_strided_f16,
-    |B, d| check_check_finite_strided::<B>(d, FloatDType::F16)
-);
-on_both!(check_finite_never_writes_held_clones, |B, d| {
-    check_finite_no_alias::<B>(d)
-});
+on_both! {
+    unscale_f32: check_unscale(FloatDType::F32, 1);
+    unscale_f16: check_unscale(FloatDType::F16, 2);
+    unscale_list_f32: check_unscale_list(FloatDType::F32);
+    unscale_list_f16: check_unscale_list(FloatDType::F16);
+    unscale_never_writes_held_clones: check_unscale_no_alias();
+    strided_f32: check_non_contiguous(FloatDType::F32);
+    strided_f16: check_non_contiguous(FloatDType::F16);
+    update_scale_script: check_update_scale();
+    update_scale_edge_states: check_update_scale_edges();
+    check_finite_f32: check_check_finite(FloatDType::F32, 3);
+    check_finite_f16: check_check_finite(FloatDType::F16, 4);
+    check_finite_list_f32: check_check_finite_list(FloatDType::F32);
+    check_finite_list_f16: check_check_finite_list(FloatDType::F16);
+    check_finite_strided_f32: check_check_finite_strided(FloatDType::F32);
+    check_finite_strided_f16: check_check_finite_strided(FloatDType::F16);
+    check_finite_never_writes_held_clones: check_finite_no_alias();
+}

@@ -39,26 +39,14 @@ pub(super) fn run_adamw_plan<B: AmpKernels>(
         let found = if skip { 1.0 } else { 0.0 };
         let before = skip.then(|| adam_bytes::<B>(&k));
         let grad = || tensor::<B>(g.clone(), shape, grad_dtype, device);
-        let (p, s) = adamw::<B>(
-            true,
-            k.p,
-            grad(),
-            k.s,
-            scaling::<B>(inv_scale, found, device),
-            lr,
-            &c,
-        );
-        k = AdamState { p, s };
-        let (p, s) = adamw::<B>(
-            false,
-            r.p,
-            grad(),
-            r.s,
-            scaling::<B>(inv_scale, found, device),
-            lr,
-            &c,
-        );
-        r = AdamState { p, s };
+        // This step, on the kernel's state (`kernel`) or on the fallback's.
+        let step = |kernel, a: AdamState<B>| {
+            let scaling = scaling::<B>(inv_scale, found, device);
+            let (p, s) = adamw::<B>(kernel, a.p, grad(), a.s, scaling, lr, &c);
+            AdamState { p, s }
+        };
+        k = step(true, k);
+        r = step(false, r);
         if !skip {
             applied += 1.0;
         }
@@ -304,14 +292,10 @@ fn check_adamw_per_parameter_counts<B: AmpKernels>(device: &B::Device, dtype: Fl
 // The tests: every check on Wgpu (fusion) and on the bare CubeBackend.
 // ---------------------------------------------------------------------------------------
 
-on_both!(adamw_f32, |B, d| check_adamw::<B>(d, FloatDType::F32));
-on_both!(adamw_f16, |B, d| check_adamw::<B>(d, FloatDType::F16));
-on_both!(adamw_skip_with_held_clones, |B, d| {
-    check_adamw_skip_with_clones::<B>(d)
-});
-on_both!(adamw_per_parameter_counts_f32, |B, d| {
-    check_adamw_per_parameter_counts::<B>(d, FloatDType::F32)
-});
-on_both!(adamw_per_parameter_counts_f16, |B, d| {
-    check_adamw_per_parameter_counts::<B>(d, FloatDType::F16)
-});
+on_both! {
+    adamw_f32: check_adamw(FloatDType::F32);
+    adamw_f16: check_adamw(FloatDType::F16);
+    adamw_skip_with_held_clones: check_adamw_skip_with_clones();
+    adamw_per_parameter_counts_f32: check_adamw_per_parameter_counts(FloatDType::F32);
+    adamw_per_parameter_counts_f16: check_adamw_per_parameter_counts(FloatDType::F16);
+}

@@ -27,10 +27,7 @@ fn check_scaled_steps_f16_grads<B: AmpKernels>(device: &B::Device, param_dtype: 
     for shape in [&[4097][..], &[16, 24], &[3]] {
         let n: usize = shape.iter().product();
         let p0 = rng.vec(n, 1.0);
-        let velocity = || Velocity {
-            velocity: tensor::<B>(vec![0.0; n], shape, FloatDType::F32, device),
-            step: scalar::<B>(0.0, device),
-        };
+        let velocity = || fresh_velocity::<B>(vec![0.0; n], shape, device);
         let (mut kp, mut rp) = (
             tensor::<B>(p0.clone(), shape, param_dtype, device),
             tensor::<B>(p0, shape, param_dtype, device),
@@ -47,24 +44,13 @@ fn check_scaled_steps_f16_grads<B: AmpKernels>(device: &B::Device, param_dtype: 
             let found = if skip { 1.0 } else { 0.0 };
             let grad = || tensor::<B>(g.clone(), shape, FloatDType::F16, device);
             let before = skip.then(|| read::<B>(kp.clone()).1);
-            (kp, kb) = sgd::<B>(
-                true,
-                kp,
-                grad(),
-                kb,
-                scaling::<B>(inv, found, device),
-                lr,
-                &c,
-            );
-            (rp, rb) = sgd::<B>(
-                false,
-                rp,
-                grad(),
-                rb,
-                scaling::<B>(inv, found, device),
-                lr,
-                &c,
-            );
+            // This step, on the kernel's run (`kernel`) or on the fallback's.
+            let step = |kernel, p, b| {
+                let scaling = scaling::<B>(inv, found, device);
+                sgd::<B>(kernel, p, grad(), b, scaling, lr, &c)
+            };
+            (kp, kb) = step(true, kp, kb);
+            (rp, rb) = step(false, rp, rb);
             if !skip {
                 applied += 1.0;
             }
@@ -148,7 +134,8 @@ fn check_small_scaled_grads<B: AmpKernels>(device: &B::Device, param_dtype: Floa
         "the old path leaves the moments at zero"
     );
 
-    // The fused path.
+    // The fused path: the real scale, no overflow.
+    let scaled = || scaling::<B>(inv, 0.0, device);
     let one_minus_beta1 = (1.0 - beta_1 as f64) as f32;
     let one_minus_beta2 = (1.0 - beta_2 as f64) as f32;
     let want_m: Vec<f32> = unscaled.iter().map(|u| u * one_minus_beta1).collect();
@@ -156,15 +143,8 @@ fn check_small_scaled_grads<B: AmpKernels>(device: &B::Device, param_dtype: Floa
     let mut results = Vec::new();
     for kernel in [true, false] {
         let what = format!("small scaled grads, adamw {param_dtype:?} kernel {kernel}");
-        let (p, s) = adamw::<B>(
-            kernel,
-            param(),
-            grad(),
-            zero_moments::<B>(&[n], 0.0, device),
-            scaling::<B>(inv, 0.0, device),
-            lr,
-            &c,
-        );
+        let moments = zero_moments::<B>(&[n], 0.0, device);
+        let (p, s) = adamw::<B>(kernel, param(), grad(), moments, scaled(), lr, &c);
         assert_eq!(count::<B>(s.step), 1.0, "{what}: count");
         let (m, v, p) = (
             values::<B>(s.exp_avg),
@@ -209,19 +189,8 @@ fn check_small_scaled_grads<B: AmpKernels>(device: &B::Device, param_dtype: Floa
     let mut velocities = Vec::new();
     for kernel in [true, false] {
         let what = format!("small scaled grads, sgd {param_dtype:?} kernel {kernel}");
-        let velocity = Velocity {
-            velocity: tensor::<B>(vec![0.0; n], &[n], FloatDType::F32, device),
-            step: scalar::<B>(0.0, device),
-        };
-        let (_, v) = sgd::<B>(
-            kernel,
-            param(),
-            grad(),
-            Some(velocity),
-            scaling::<B>(inv, 0.0, device),
-            0.1,
-            &c,
-        );
+        let velocity = Some(fresh_velocity::<B>(vec![0.0; n], &[n], device));
+        let (_, v) = sgd::<B>(kernel, param(), grad(), velocity, scaled(), 0.1, &c);
         let v = v.expect("a velocity");
         assert_eq!(count::<B>(v.step), 1.0, "{what}: count");
         let v = values::<B>(v.velocity);
@@ -240,15 +209,9 @@ fn check_small_scaled_grads<B: AmpKernels>(device: &B::Device, param_dtype: Floa
 // The tests: every check on Wgpu (fusion) and on the bare CubeBackend.
 // ---------------------------------------------------------------------------------------
 
-on_both!(scaled_steps_f16_grads_f32_params, |B, d| {
-    check_scaled_steps_f16_grads::<B>(d, FloatDType::F32)
-});
-on_both!(scaled_steps_f16_grads_f16_params, |B, d| {
-    check_scaled_steps_f16_grads::<B>(d, FloatDType::F16)
-});
-on_both!(small_scaled_grads_move_f32_moments_f32_params, |B, d| {
-    check_small_scaled_grads::<B>(d, FloatDType::F32)
-});
-on_both!(small_scaled_grads_move_f32_moments_f16_params, |B, d| {
-    check_small_scaled_grads::<B>(d, FloatDType::F16)
-});
+on_both! {
+    scaled_steps_f16_grads_f32_params: check_scaled_steps_f16_grads(FloatDType::F32);
+    scaled_steps_f16_grads_f16_params: check_scaled_steps_f16_grads(FloatDType::F16);
+    small_scaled_grads_move_f32_moments_f32_params: check_small_scaled_grads(FloatDType::F32);
+    small_scaled_grads_move_f32_moments_f16_params: check_small_scaled_grads(FloatDType::F16);
+}

@@ -30,10 +30,7 @@ fn check_sgd<B: AmpKernels>(device: &B::Device, dtype: FloatDType) {
                 let mut kp = tensor::<B>(p0.clone(), shape, dtype, device);
                 let mut rp = tensor::<B>(p0, shape, dtype, device);
                 let velocity = || {
-                    (momentum != 0.0).then(|| Velocity {
-                        velocity: tensor::<B>(garbage.clone(), shape, FloatDType::F32, device),
-                        step: scalar::<B>(0.0, device),
-                    })
+                    (momentum != 0.0).then(|| fresh_velocity::<B>(garbage.clone(), shape, device))
                 };
                 let (mut kb, mut rb) = (velocity(), velocity());
                 let mut applied = 0.0f32;
@@ -55,26 +52,13 @@ fn check_sgd<B: AmpKernels>(device: &B::Device, dtype: FloatDType) {
                     let p_before = values::<B>(kp.clone());
                     let grad = || tensor::<B>(g.clone(), shape, dtype, device);
                     let g_stored = values::<B>(grad());
-                    let (p, b) = sgd::<B>(
-                        true,
-                        kp,
-                        grad(),
-                        kb,
-                        scaling::<B>(inv, found, device),
-                        lr,
-                        &c,
-                    );
-                    (kp, kb) = (p, b);
-                    let (p, b) = sgd::<B>(
-                        false,
-                        rp,
-                        grad(),
-                        rb,
-                        scaling::<B>(inv, found, device),
-                        lr,
-                        &c,
-                    );
-                    (rp, rb) = (p, b);
+                    // This step, on the kernel's run (`kernel`) or on the fallback's.
+                    let step = |kernel, p, b| {
+                        let scaling = scaling::<B>(inv, found, device);
+                        sgd::<B>(kernel, p, grad(), b, scaling, lr, &c)
+                    };
+                    (kp, kb) = step(true, kp, kb);
+                    (rp, rb) = step(false, rp, rb);
                     assert_eq!(kb.is_some(), rb.is_some(), "{what}: buffer presence");
                     assert_eq!(kb.is_some(), momentum != 0.0, "{what}: buffer iff momentum");
                     assert_eq!(kp.dtype(), DType::from(dtype), "{what}: param dtype");
@@ -147,21 +131,15 @@ fn check_sgd_first_step_ignores_buffer<B: AmpKernels>(device: &B::Device, dtype:
         let what = format!("sgd first step {dtype:?} kernel {kernel}");
         let p = tensor::<B>(p0.clone(), &[n], dtype, device);
         let p_bytes = read::<B>(p.clone()).1;
-        let v = Some(Velocity {
-            velocity: tensor::<B>(garbage.clone(), &[n], FloatDType::F32, device),
-            step: scalar::<B>(0.0, device),
-        });
-        let grad = |g: &Vec<f32>| tensor::<B>(g.clone(), &[n], dtype, device);
-        let (p, v) = sgd::<B>(
-            kernel,
-            p,
-            grad(&poisoned),
-            v,
-            scaling::<B>(inv, 1.0, device),
-            lr,
-            &c,
-        );
-        let v = v.expect("a velocity");
+        // One step on gradient `g` (overflowed when `found` is 1), by the kernel or the fallback.
+        let step = |p, v, g: &Vec<f32>, found| {
+            let grad = tensor::<B>(g.clone(), &[n], dtype, device);
+            let scaling = scaling::<B>(inv, found, device);
+            let (p, v) = sgd::<B>(kernel, p, grad, Some(v), scaling, lr, &c);
+            (p, v.expect("a velocity"))
+        };
+        let v = fresh_velocity::<B>(garbage.clone(), &[n], device);
+        let (p, v) = step(p, v, &poisoned, 1.0);
         assert!(read::<B>(p.clone()).1 == p_bytes, "{what}: skipped param");
         assert!(
             read::<B>(v.velocity.clone()).1 == garbage_bytes,
@@ -169,16 +147,7 @@ fn check_sgd_first_step_ignores_buffer<B: AmpKernels>(device: &B::Device, dtype:
         );
         assert_eq!(count::<B>(v.step.clone()), 0.0, "{what}: skipped count");
 
-        let (p, v) = sgd::<B>(
-            kernel,
-            p,
-            grad(&g1),
-            Some(v),
-            scaling::<B>(inv, 0.0, device),
-            lr,
-            &c,
-        );
-        let v = v.expect("a velocity");
+        let (p, v) = step(p, v, &g1, 0.0);
         assert_eq!(count::<B>(v.step.clone()), 1.0, "{what}: first count");
         let v1: Vec<f32> = g1_s.iter().map(|g| g * inv).collect();
         let p1 = values::<B>(p.clone());
@@ -191,16 +160,7 @@ fn check_sgd_first_step_ignores_buffer<B: AmpKernels>(device: &B::Device, dtype:
         let want: Vec<f32> = p0_s.iter().zip(&v1).map(|(p, v)| p - v * lr).collect();
         assert_close(&format!("{what}: first param"), &p1, &want, step_tol(dtype));
 
-        let (p, v) = sgd::<B>(
-            kernel,
-            p,
-            grad(&g2),
-            Some(v),
-            scaling::<B>(inv, 0.0, device),
-            lr,
-            &c,
-        );
-        let v = v.expect("a velocity");
+        let (p, v) = step(p, v, &g2, 0.0);
         assert_eq!(count::<B>(v.step.clone()), 2.0, "{what}: second count");
         let v2: Vec<f32> = v1
             .iter()
@@ -227,11 +187,9 @@ fn check_sgd_first_step_ignores_buffer<B: AmpKernels>(device: &B::Device, dtype:
 // The tests: every check on Wgpu (fusion) and on the bare CubeBackend.
 // ---------------------------------------------------------------------------------------
 
-on_both!(sgd_f32, |B, d| check_sgd::<B>(d, FloatDType::F32));
-on_both!(sgd_f16, |B, d| check_sgd::<B>(d, FloatDType::F16));
-on_both!(sgd_first_step_ignores_buffer_f32, |B, d| {
-    check_sgd_first_step_ignores_buffer::<B>(d, FloatDType::F32)
-});
-on_both!(sgd_first_step_ignores_buffer_f16, |B, d| {
-    check_sgd_first_step_ignores_buffer::<B>(d, FloatDType::F16)
-});
+on_both! {
+    sgd_f32: check_sgd(FloatDType::F32);
+    sgd_f16: check_sgd(FloatDType::F16);
+    sgd_first_step_ignores_buffer_f32: check_sgd_first_step_ignores_buffer(FloatDType::F32);
+    sgd_first_step_ignores_buffer_f16: check_sgd_first_step_ignores_buffer(FloatDType::F16);
+}
