@@ -167,25 +167,10 @@ impl<B: Backend> GradList<B> {
         self.entries.iter().map(|e| e.grad.clone()).collect()
     }
 
-    /// Replaces the gradients, in visiting order (one per entry).
-    pub fn with_tensors(mut self, tensors: Vec<FloatTensor<B>>) -> Self {
-        assert_eq!(
-            tensors.len(),
-            self.entries.len(),
-            "one gradient per entry is needed"
-        );
-        for (entry, grad) in self.entries.iter_mut().zip(tensors) {
-            entry.grad = grad;
-        }
-        self
-    }
-
-    /// Each gradient through `f`.
-    pub fn map(mut self, mut f: impl FnMut(FloatTensor<B>) -> FloatTensor<B>) -> Self {
-        for entry in &mut self.entries {
-            entry.grad = f(entry.grad.clone());
-        }
-        self
+    /// Each gradient through `f`, handed over by value: unshared, so that a kernel may work
+    /// in its buffer.
+    pub fn map(self, mut f: impl FnMut(FloatTensor<B>) -> FloatTensor<B>) -> Self {
+        self.map_entries(|grad, _| f(grad))
     }
 
     /// Each gradient cast to its parameter's dtype (no copy where it has it already).
@@ -194,22 +179,46 @@ impl<B: Backend> GradList<B> {
     /// `matmul`) arrives in f16/bf16: autodiff registers it without a cast. Every burn-amp
     /// step path casts it back here before an optimizer sees it.
     pub fn to_param_dtypes(self) -> Self {
-        self.map_entries(|e| {
-            if e.grad.dtype() != e.param_dtype && e.param_dtype.is_float() {
-                let dtype: FloatDType = e.param_dtype.into();
-                B::float_cast(e.grad.clone(), dtype)
+        self.map_entries(|grad, param_dtype| {
+            if grad.dtype() != param_dtype && param_dtype.is_float() {
+                B::float_cast(grad, param_dtype.into())
             } else {
-                e.grad.clone()
+                grad
             }
         })
     }
 
-    fn map_entries(mut self, mut f: impl FnMut(&GradEntry<B>) -> FloatTensor<B>) -> Self {
-        for i in 0..self.entries.len() {
-            let grad = f(&self.entries[i]);
-            self.entries[i].grad = grad;
-        }
-        self
+    fn map_entries(self, mut f: impl FnMut(FloatTensor<B>, DType) -> FloatTensor<B>) -> Self {
+        let entries = self
+            .entries
+            .into_iter()
+            .map(|e| GradEntry {
+                grad: f(e.grad, e.param_dtype),
+                ..e
+            })
+            .collect();
+        Self { entries }
+    }
+
+    /// The gradients by value, and what puts them back ([`GradList::rejoin`]).
+    fn split(self) -> (Vec<FloatTensor<B>>, Vec<(ParamId, DType)>) {
+        self.entries
+            .into_iter()
+            .map(|e| (e.grad, (e.id, e.param_dtype)))
+            .unzip()
+    }
+
+    fn rejoin(tensors: Vec<FloatTensor<B>>, rest: Vec<(ParamId, DType)>) -> Self {
+        let entries = tensors
+            .into_iter()
+            .zip(rest)
+            .map(|(grad, (id, param_dtype))| GradEntry {
+                id,
+                grad,
+                param_dtype,
+            })
+            .collect();
+        Self { entries }
     }
 
     /// Bytes held by the gradients.
@@ -247,13 +256,12 @@ impl<B: Backend> GradList<B> {
             .recip()
             .mul_scalar(max_norm)
             .clamp_max(1.0);
-        for entry in &mut self.entries {
-            let shape = entry.grad.shape();
-            let g: Tensor<B, 1> = flat(entry.grad.clone());
+        *self = core::mem::take(self).map(|grad| {
+            let shape = grad.shape();
+            let g: Tensor<B, 1> = flat(grad);
             let c = coef.clone().to_device(&g.device()).cast(g.dtype());
-            let clipped = (g * c).into_primitive().tensor();
-            entry.grad = B::float_reshape(clipped, shape);
-        }
+            B::float_reshape((g * c).into_primitive().tensor(), shape)
+        });
         Some(norm)
     }
 
@@ -310,9 +318,11 @@ impl<B: ScalerKernels> GradList<B> {
         inv_scale: Tensor<B, 1>,
         found_inf: Tensor<B, 1>,
     ) -> (Self, Tensor<B, 1>) {
+        // By value: the kernel unscales in place where nothing else holds a gradient.
+        let (tensors, rest) = self.split();
         let (tensors, found) =
-            B::unscale_and_check(self.tensors(), primitive(inv_scale), primitive(found_inf));
-        (self.with_tensors(tensors), tensor(found))
+            B::unscale_and_check(tensors, primitive(inv_scale), primitive(found_inf));
+        (Self::rejoin(tensors, rest), tensor(found))
     }
 }
 
@@ -342,9 +352,16 @@ where
     norm
 }
 
-fn flat<B: Backend>(t: FloatTensor<B>) -> Tensor<B, 1> {
+/// `t` flattened to one dimension.
+pub(crate) fn flat<B: Backend>(t: FloatTensor<B>) -> Tensor<B, 1> {
     let n = t.shape().num_elements();
-    Tensor::<B, 1>::from_primitive(TensorPrimitive::Float(B::float_reshape(t, [n].into())))
+    tensor(B::float_reshape(t, [n].into()))
+}
+
+/// An f32 `[1]` device scalar (a flag, a scale, a count), f32 whatever the device's default
+/// float dtype.
+pub(crate) fn f32_scalar<B: Backend>(value: f32, device: &B::Device) -> Tensor<B, 1> {
+    Tensor::full([1], value, (device, DType::F32))
 }
 
 pub(crate) fn primitive<B: Backend, const D: usize>(t: Tensor<B, D>) -> FloatTensor<B> {

@@ -75,7 +75,7 @@ pub use kernels::AccumKernels;
 pub use record::{AccumulatedGradRecord, GradientAccumulationRecord};
 pub use scheduler::WindowedLrScheduler;
 
-use crate::grads::{GradEntry, GradList, primitive, tensor};
+use crate::grads::{GradEntry, GradList, flat, primitive, tensor};
 use crate::scaler::{ScaleSignals, ScaledStep, ScalerError, ScalerKernels, Stage, StepOutcome};
 use record::{dtype_code, dtype_from_code};
 
@@ -491,11 +491,6 @@ impl<O, B: AutodiffBackend> GradientAccumulation<O, B> {
         };
         Ok(self)
     }
-}
-
-fn flat<B: Backend>(grad: burn_backend::tensor::FloatTensor<B>) -> Tensor<B, 1> {
-    let n = burn_backend::TensorMetadata::shape(&grad).num_elements();
-    tensor(B::float_reshape(grad, [n].into()))
 }
 
 impl<M, B, O> Optimizer<M, B> for GradientAccumulation<O, B>

@@ -111,11 +111,11 @@ where
 
 /// The neutral signals (`inv_scale = 1`, `found_inf = 0`) on `device`.
 pub(crate) fn unscaled<B: Backend>(device: &B::Device) -> Scaling<FloatTensor<B>> {
-    let f32 = (device, burn::tensor::DType::F32);
-    Scaling {
-        inv_scale: Tensor::<B, 1>::ones([1], f32).into_primitive().tensor(),
-        found_inf: Tensor::<B, 1>::zeros([1], f32).into_primitive().tensor(),
-    }
+    use crate::grads::{f32_scalar, primitive};
+    Scaling::new(
+        primitive(f32_scalar::<B>(1.0, device)),
+        primitive(f32_scalar::<B>(0.0, device)),
+    )
 }
 
 /// Checks that `value` lies in `range`, naming the field otherwise.

@@ -48,7 +48,7 @@ pub use step::{ScaleSignals, ScaledStep, StepOutcome, Unfused};
 
 use crate::Precision;
 use crate::accumulate::AccumulationError;
-use crate::grads::{GradList, primitive, tensor};
+use crate::grads::{GradList, f32_scalar, primitive, tensor};
 
 /// Where a module is within one optimizer step.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -107,32 +107,34 @@ pub enum ScalerError {
     Accumulation(#[from] AccumulationError),
 }
 
-/// What a [`GradScaler::step`] did. `found_inf` stays on the device until asked for.
+/// What a [`GradScaler::step`] did: the optimizer's [`StepOutcome`]. `found_inf` stays on the
+/// device until asked for.
 #[derive(Debug, Clone)]
 pub struct StepReport<B: Backend> {
-    found_inf: Option<Tensor<B, 1>>,
-    accumulated: bool,
+    outcome: StepOutcome<B>,
 }
 
 impl<B: Backend> StepReport<B> {
     /// Whether the step was skipped because the gradients held inf or NaN.
     /// Reads one value from the device.
     pub fn skipped(&self) -> bool {
-        self.found_inf
-            .as_ref()
-            .is_some_and(|f| f.clone().into_scalar().elem::<f32>() != 0.0)
+        self.found_inf()
+            .is_some_and(|f| f.into_scalar().elem::<f32>() != 0.0)
     }
 
     /// The overflow flag as a device tensor (`[1]`, 0 or 1): no read. `None` when nothing was
     /// checked (a pass-through scaler, or a micro-step inside an accumulation window).
     pub fn found_inf(&self) -> Option<Tensor<B, 1>> {
-        self.found_inf.clone()
+        match &self.outcome {
+            StepOutcome::Stepped { found_inf } => found_inf.clone(),
+            StepOutcome::Accumulated => None,
+        }
     }
 
     /// Whether the gradients went into an accumulation window without an optimizer step
     /// (a micro-step before the window's boundary). No read.
     pub fn accumulated(&self) -> bool {
-        self.accumulated
+        matches!(self.outcome, StepOutcome::Accumulated)
     }
 }
 
@@ -330,7 +332,7 @@ where
     }
 
     fn zero(&self) -> Tensor<B::InnerBackend, 1> {
-        Tensor::zeros([1], (&self.state.device(), DType::F32))
+        f32_scalar(0.0, &self.state.device())
     }
 
     /// Steps `optim` on `module`'s gradients, unless they overflowed: the one call for every
@@ -362,19 +364,10 @@ where
         });
         let list = GradList::take::<B, M>(&module, &mut grads);
         let (module, outcome) = optim.step_scaled(lr, module, list, signals.as_ref())?;
-        let report = match outcome {
-            StepOutcome::Stepped { found_inf } => StepReport {
-                found_inf,
-                accumulated: false,
-            },
-            StepOutcome::Accumulated => StepReport {
-                found_inf: None,
-                accumulated: true,
-            },
-        };
+        let report = StepReport { outcome };
         let entry = self.entry(key);
         entry.stage = Stage::Stepped;
-        entry.found_inf = report.found_inf.clone();
+        entry.found_inf = report.found_inf();
         Ok((module, report))
     }
 

@@ -14,11 +14,10 @@ use burn::module::AutodiffModule;
 use burn::optim::adaptor::OptimizerAdaptor;
 use burn::optim::{LearningRate, MultiGradientsParams, Optimizer, SimpleOptimizer};
 use burn::prelude::*;
-use burn::tensor::DType;
 use burn::tensor::backend::AutodiffBackend;
 
 use super::{ScalerError, ScalerKernels};
-use crate::grads::GradList;
+use crate::grads::{GradList, f32_scalar};
 
 /// The loss scale of one step, as the scaler hands it to a [`ScaledStep`]: device tensors,
 /// f32 `[1]` each, so that nothing needs a host read.
@@ -39,12 +38,12 @@ pub struct ScaleSignals<B: Backend> {
 impl<B: Backend> ScaleSignals<B> {
     /// An f32 `[1]` zero on the scale's device: a fresh `found_inf`.
     pub fn zero(&self) -> Tensor<B, 1> {
-        Tensor::zeros([1], (&self.scale.device(), DType::F32))
+        f32_scalar(0.0, &self.scale.device())
     }
 
     /// An f32 `[1]` one on the scale's device: the neutral `inv_scale`.
     pub fn one(&self) -> Tensor<B, 1> {
-        Tensor::ones([1], (&self.scale.device(), DType::F32))
+        f32_scalar(1.0, &self.scale.device())
     }
 }
 
