@@ -28,6 +28,7 @@
 #![warn(missing_docs)]
 
 pub mod accumulate;
+pub mod amp_optimizer;
 pub mod backend;
 pub mod error;
 pub mod frozen;
@@ -38,9 +39,10 @@ pub mod optim;
 pub mod precision;
 pub mod scaler;
 
+pub use amp_optimizer::{AmpOptimizer, AmpOptimizerError};
 pub use accumulate::{GradientAccumulation, GradientAccumulationConfig, Reduction};
 pub use backend::{Amp, host_reads};
 pub use error::AmpError;
 pub use frozen::{Frozen, freeze};
 pub use kernels::AmpKernels;
-pub use precision::{AutocastGuard, Precision, autocast};
+pub use precision::{AutocastGuard, Precision, autocast, set_default_precision};

@@ -5,6 +5,7 @@
 
 use core::cell::Cell;
 use core::fmt;
+use core::sync::atomic::{AtomicU8, Ordering};
 
 use burn_backend::{Backend, DType, DeviceOps};
 use burn_std::FloatDType;
@@ -58,10 +59,29 @@ impl Precision {
         }
     }
 
-    /// The setting in force on this thread: `None` means "the device's default"
-    /// ([`Precision::default_for`]), which is what a thread starts with.
+    /// The setting in force on this thread: its [`autocast`] guard, else the process-wide
+    /// [`set_default_precision`]; `None` means "the device's default"
+    /// ([`Precision::default_for`]).
     pub fn current() -> Option<Precision> {
         thread_state().precision
+    }
+
+    fn code(precision: Option<Precision>) -> u8 {
+        match precision {
+            None => 0,
+            Some(Precision::F32) => 1,
+            Some(Precision::F16) => 2,
+            Some(Precision::Bf16) => 3,
+        }
+    }
+
+    fn from_code(code: u8) -> Option<Precision> {
+        match code {
+            1 => Some(Precision::F32),
+            2 => Some(Precision::F16),
+            3 => Some(Precision::Bf16),
+            _ => None,
+        }
     }
 
     /// The precision that autocast uses on this thread for `device`.
@@ -119,10 +139,29 @@ thread_local! {
     };
 }
 
-/// This thread's setting and last resolution, in one thread-local read.
+/// The process-wide precision of threads without an [`autocast`] guard (0: the device's
+/// default). An atomic, not a lock: every lowered op reads it.
+static PROCESS_DEFAULT: AtomicU8 = AtomicU8::new(0);
+
+/// Sets the precision of every thread that has no [`autocast`] guard of its own, process-wide
+/// (`None`: each device's default, [`Precision::default_for`]). Returns the previous setting.
+///
+/// This is the setting for code that runs on threads you do not create: burn-train's
+/// `Learner` with several devices runs each device's forward and backward on a worker thread
+/// of its own, where a guard made on the main thread does not reach. PyTorch's
+/// `torch.set_autocast_dtype` is the same kind of global.
+pub fn set_default_precision(precision: Option<Precision>) -> Option<Precision> {
+    Precision::from_code(PROCESS_DEFAULT.swap(Precision::code(precision), Ordering::Relaxed))
+}
+
+/// This thread's setting (its guard, else the process default) and last resolution.
 #[inline(always)]
 pub(crate) fn thread_state() -> ThreadState {
-    STATE.with(|s| s.get())
+    let mut state = STATE.with(|s| s.get());
+    if state.precision.is_none() {
+        state.precision = Precision::from_code(PROCESS_DEFAULT.load(Ordering::Relaxed));
+    }
+    state
 }
 
 /// Remembers a resolution for the next ops of this thread.
@@ -135,6 +174,7 @@ pub(crate) fn remember(resolved: Resolved) {
     })
 }
 
+/// Sets this thread's own setting (not the process default); returns its previous own one.
 fn set_precision(precision: Option<Precision>) -> Option<Precision> {
     STATE.with(|s| {
         let mut state = s.get();

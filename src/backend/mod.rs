@@ -97,7 +97,8 @@ impl<B: AutodiffBackend> AutodiffBackend for Amp<B> {
     type Gradients = B::Gradients;
 
     fn backward(tensor: FloatTensor<Self>) -> Self::Gradients {
-        B::backward(tensor)
+        // × the loss scale when an `AmpOptimizer` is installed and the precision is f16.
+        B::backward(crate::amp_optimizer::registry::scale_root::<B>(tensor))
     }
 
     fn grad(

@@ -272,18 +272,24 @@ where
         self.generation
     }
 
-    fn scale_tensor(&self) -> Tensor<B::InnerBackend, 1> {
+    /// The scale, f32 `[1]` on the device.
+    pub(crate) fn scale_tensor(&self) -> Tensor<B::InnerBackend, 1> {
         self.state.clone().narrow(0, ScaleState::Scale as usize, 1)
     }
 
-    /// `loss × scale`, for `backward`. The scale is a device tensor: no read.
+    /// The f32 `[4]` state ([`ScaleState`]), on the device.
+    pub(crate) fn state(&self) -> Tensor<B::InnerBackend, 1> {
+        self.state.clone()
+    }
+
+    /// `loss × scale`, for `backward`, in f32 (an f16 loss times 65536 would overflow). The
+    /// scale is a device tensor: no read.
     pub fn scale<const D: usize>(&self, loss: Tensor<B, D>) -> Tensor<B, D> {
         if !self.enabled {
             return loss;
         }
-        let scale = Tensor::<B, 1>::from_inner(self.scale_tensor());
-        let scale = scale.cast(loss.dtype()).reshape([1; D]);
-        loss * scale
+        let scale = Tensor::<B, 1>::from_inner(self.scale_tensor()).reshape([1; D]);
+        loss.cast(DType::F32) * scale
     }
 
     /// The entry of `module` in the current step, created at `Ready`.

@@ -1,0 +1,327 @@
+//! [`AmpOptimizer`]: the front door. Wrap the optimizer you already have, once; the loss is
+//! scaled inside `backward`, the gradients unscaled, checked and the step skipped on inf/NaN
+//! inside `step`, the scale updated on the device. Nothing else in the training code changes,
+//! so it works where the loop is not yours: burn-train's `Learner` calls `loss.backward()` in
+//! the user's `TrainStep` and `Optimizer::step` after it.
+//!
+//! ```ignore
+//! type B = Amp<Autodiff<Wgpu>>;                 // autocast by type (f16 on wgpu)
+//! let optim = AmpOptimizer::new(AdamConfig::new().init::<B, Model<B>>(), GradScalerConfig::new())?;
+//! // a hand-written loop, unchanged:
+//! let grads = GradientsParams::from_grads(loss.backward(), &model);
+//! model = optim.step(lr, model, grads);
+//! // or burn-train: Learner::new(model, optim, scheduler)
+//! ```
+//!
+//! ## What happens, per precision
+//! - **f16**: while the optimizer lives, `Amp<B>`'s `backward` multiplies the loss (in f32)
+//!   by the current scale of its device (see [`registry`]). `step` divides the gradients by
+//!   it, checks them for inf/NaN and steps or skips on the device (no host read with
+//!   burn-amp's fused optimizers, one with Burn's own: [`ScaledStep`]), then updates the scale
+//!   on the device and hands it to the next backward of every device.
+//! - **bf16, f32** (or a `GradScalerConfig` with `enabled = false`): no backward is scaled,
+//!   and `step` is the wrapped optimizer's step. One program serves every precision.
+//!
+//! ## Gradients between `backward` and `step`
+//! At f16 the gradients that `backward` returns are *scaled* (× the loss scale, 65536 at
+//! first), as with PyTorch's `scaler.scale(loss).backward()`. Code that reads them before the
+//! step (logging a norm, clipping by hand) sees scaled values; clip with the wrapped
+//! optimizer's own `GradientClipping` (it runs on unscaled gradients) or divide by
+//! [`AmpOptimizer::scale`]. Summing gradients of several backwards before one step (burn-train's
+//! `grads_accumulation`) is correct: the scale only changes at a step.
+//!
+//! ## Gradient accumulation
+//! Compose, `AmpOptimizer::new(GradientAccumulation::new(adam, 4)?, ..)`: the window adds the
+//! still-scaled gradients; at its boundary they are unscaled and checked once, the whole window
+//! is stepped or skipped once, and the scale changes only there.
+//!
+//! ## Several devices
+//! One scale for all devices: a worker's first backward after a step copies the scale to its
+//! device. With burn-train's `MultiDeviceOptim::OptimMainDevice` the gradients of all devices
+//! are summed on the main device before the check, so an overflow on any device (inf or NaN
+//! survives the sum) makes the one step skip; with `OptimSharded` each parameter's gradients
+//! are summed on one device and all of them are checked together before any is stepped: one
+//! decision for all devices either way.
+
+pub mod metrics;
+pub(crate) mod registry;
+
+use std::sync::Arc;
+
+use burn::module::{AutodiffModule, ModuleVisitor, Param};
+use burn::optim::{GradientsParams, LearningRate, MultiGradientsParams, Optimizer};
+use burn::prelude::*;
+use burn::tensor::backend::AutodiffBackend;
+use thiserror::Error;
+
+pub use metrics::{LossScaleMetric, ScalerMonitor, ScalerSnapshot, SkippedStepsMetric};
+
+use crate::Precision;
+use crate::grads::{GradList, f32_scalar, primitive};
+use crate::scaler::{
+    GradScaler, GradScalerConfig, GradScalerRecord, ScaledStep, ScalerError, ScalerKernels,
+    StepOutcome,
+};
+
+/// What can go wrong when making or stepping an [`AmpOptimizer`].
+#[derive(Debug, Clone, PartialEq, Error)]
+pub enum AmpOptimizerError {
+    /// A second `AmpOptimizer` for a backend that already has a live one.
+    #[error(
+        "an AmpOptimizer is already installed for backend {backend}: backward can scale the loss \
+         for one optimizer only. Wrap the optimizer once (one AmpOptimizer around the whole \
+         model), or drop the first before making another"
+    )]
+    AlreadyInstalled {
+        /// The training backend's type name.
+        backend: &'static str,
+    },
+    /// The scaler refused (configuration, or an accumulation window).
+    #[error(transparent)]
+    Scaler(#[from] ScalerError),
+}
+
+/// Uninstalls the backward hook when the optimizer's last clone is dropped.
+#[derive(Debug)]
+struct Installation(u64);
+
+impl Drop for Installation {
+    fn drop(&mut self) {
+        registry::uninstall(self.0);
+    }
+}
+
+/// An optimizer with automatic loss scaling. See the [module docs](self).
+#[derive(Clone)]
+pub struct AmpOptimizer<O, B: AutodiffBackend>
+where
+    B::InnerBackend: ScalerKernels,
+{
+    inner: O,
+    config: GradScalerConfig,
+    /// Made on the device of the first scaled step.
+    scaler: Option<GradScaler<B>>,
+    /// A record loaded before the scaler existed.
+    loaded: Option<GradScalerRecord>,
+    /// Skipped steps so far, f32 `[1]` on the scaler's device (no read to count them).
+    skipped: Option<Tensor<B::InnerBackend, 1>>,
+    installation: Option<Arc<Installation>>,
+    monitor: ScalerMonitor,
+}
+
+impl<O, B> core::fmt::Debug for AmpOptimizer<O, B>
+where
+    B: AutodiffBackend,
+    B::InnerBackend: ScalerKernels,
+{
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        f.debug_struct("AmpOptimizer")
+            .field("config", &self.config)
+            .field("installed", &self.installation.is_some())
+            .finish_non_exhaustive()
+    }
+}
+
+impl<O, B> AmpOptimizer<O, B>
+where
+    B: AutodiffBackend,
+    B::InnerBackend: ScalerKernels,
+{
+    /// Wraps `optimizer` (any Burn optimizer; burn-amp's fused ones make no host read per
+    /// step) and installs the loss scaling of `backward` on `B` (see [`registry`]).
+    pub fn new<M>(optimizer: O, config: GradScalerConfig) -> Result<Self, AmpOptimizerError>
+    where
+        M: AutodiffModule<B>,
+        O: Optimizer<M, B>,
+    {
+        config.validate()?;
+        let installation = if config.enabled {
+            let owner = registry::install::<B>(config.init_scale).map_err(|()| {
+                AmpOptimizerError::AlreadyInstalled {
+                    backend: core::any::type_name::<B>(),
+                }
+            })?;
+            Some(Arc::new(Installation(owner)))
+        } else {
+            None
+        };
+        Ok(Self {
+            inner: optimizer,
+            config,
+            scaler: None,
+            loaded: None,
+            skipped: None,
+            installation,
+            monitor: ScalerMonitor::default(),
+        })
+    }
+
+    /// The wrapped optimizer.
+    pub fn inner(&self) -> &O {
+        &self.inner
+    }
+
+    /// The scaler's configuration.
+    pub fn config(&self) -> &GradScalerConfig {
+        &self.config
+    }
+
+    /// What the loss-scale and skipped-steps metrics read ([`metrics`]).
+    pub fn monitor(&self) -> ScalerMonitor {
+        self.monitor.clone()
+    }
+
+    /// The loss scale of the next scaled backward (1 before the first scaled step, or when
+    /// disabled). Reads one value from the device.
+    pub fn scale(&self) -> f32 {
+        match (&self.scaler, &self.loaded) {
+            (Some(scaler), _) => scaler.scale_value(),
+            (None, Some(record)) => record.scale,
+            (None, None) if self.installation.is_some() => self.config.init_scale,
+            (None, None) => 1.0,
+        }
+    }
+
+    /// The scaler's state (1.0 scale and zeros before the first scaled step). Reads the state
+    /// from the device.
+    pub fn scaler_record(&self) -> Option<GradScalerRecord> {
+        match &self.scaler {
+            Some(scaler) => Some(scaler.record()),
+            None => self.loaded.clone(),
+        }
+    }
+
+    /// Fails when the run keeps overflowing at `min_scale` (a bug or a diverged run, not a
+    /// scale problem). Reads the state from the device: call it now and then.
+    pub fn check(&self) -> Result<(), ScalerError> {
+        self.scaler.as_ref().map_or(Ok(()), GradScaler::check)
+    }
+
+    fn owner(&self) -> Option<u64> {
+        self.installation.as_ref().map(|i| i.0)
+    }
+
+    /// The scaler, taken out (made on `device` on the first scaled step); put it back.
+    fn take_scaler(&mut self, device: &B::Device) -> Result<GradScaler<B>, ScalerError> {
+        if let Some(scaler) = self.scaler.take() {
+            return Ok(scaler);
+        }
+        let mut scaler = self.config.init::<B>(device, Precision::F16)?;
+        if let Some(record) = self.loaded.take() {
+            scaler = scaler.load_record(record);
+        }
+        self.skipped = Some(f32_scalar(0.0, device));
+        Ok(scaler)
+    }
+
+    /// One step; the fallible form of [`Optimizer::step`].
+    pub fn try_step<M>(
+        &mut self,
+        lr: LearningRate,
+        module: M,
+        mut grads: GradientsParams,
+    ) -> Result<M, AmpOptimizerError>
+    where
+        M: AutodiffModule<B>,
+        O: ScaledStep<M, B>,
+    {
+        let scaled = self.owner().map_or(0, registry::take_scaled_backwards);
+        let Some(device) = module_device::<B, M>(&module) else {
+            return Ok(module);
+        };
+        if scaled == 0 {
+            // bf16, f32, or disabled: the wrapped optimizer's own step.
+            let list = GradList::take::<B, M>(&module, &mut grads);
+            let (module, outcome) = self.inner.step_scaled(lr, module, list, None)?;
+            self.monitor
+                .record::<B::InnerBackend>(matches!(outcome, StepOutcome::Stepped { .. }), None);
+            return Ok(module);
+        }
+        let mut scaler = self.take_scaler(&device)?;
+        let stepped = scaler.step(&mut self.inner, lr, module, grads);
+        let result = stepped.and_then(|(module, report)| scaler.update().map(|()| (module, report)));
+        let (scale, state) = (scaler.scale_tensor(), scaler.state());
+        self.scaler = Some(scaler);
+        let (module, report) = result?;
+        if let Some(found_inf) = report.found_inf() {
+            let skipped = self.skipped.take().expect("made with the scaler") + found_inf;
+            self.skipped = Some(skipped.clone());
+            if let Some(owner) = self.owner() {
+                registry::publish::<B::InnerBackend>(owner, primitive(scale));
+            }
+            self.monitor.record(true, Some((state, skipped)));
+        } else {
+            self.monitor
+                .record::<B::InnerBackend>(!report.accumulated(), None);
+        }
+        Ok(module)
+    }
+}
+
+/// The device of `module`'s first float parameter (`None` without parameters).
+fn module_device<B: AutodiffBackend, M: AutodiffModule<B>>(module: &M) -> Option<B::Device> {
+    struct First<B: Backend>(Option<B::Device>);
+    impl<B: Backend> ModuleVisitor<B> for First<B> {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+            if self.0.is_none() {
+                self.0 = Some(param.val().device());
+            }
+        }
+    }
+    let mut first = First::<B>(None);
+    module.visit(&mut first);
+    first.0
+}
+
+impl<M, B, O> Optimizer<M, B> for AmpOptimizer<O, B>
+where
+    M: AutodiffModule<B>,
+    B: AutodiffBackend,
+    B::InnerBackend: ScalerKernels,
+    O: Optimizer<M, B> + ScaledStep<M, B>,
+{
+    /// The wrapped optimizer's record and the scaler's state: a checkpoint resumes the same
+    /// scale trajectory.
+    type Record = (O::Record, Option<GradScalerRecord>);
+
+    fn step(&mut self, lr: LearningRate, module: M, grads: GradientsParams) -> M {
+        // `Optimizer::step` cannot fail; the errors here are an accumulation window's
+        // (`try_step` returns them).
+        self.try_step(lr, module, grads)
+            .unwrap_or_else(|e| panic!("burn-amp: AmpOptimizer step refused: {e}"))
+    }
+
+    fn step_multi(&mut self, lr: LearningRate, module: M, mut grads: MultiGradientsParams) -> M {
+        // Each parameter's gradients summed on one device (as Burn's adaptor does), then one
+        // check over all of them: one skip decision for every device.
+        let grads = GradList::take_multi::<B, M>(&module, &mut grads).into_params::<B, M>(&module);
+        self.step(lr, module, grads)
+    }
+
+    fn to_record(&self) -> Self::Record {
+        (self.inner.to_record(), self.scaler_record())
+    }
+
+    fn load_record(mut self, (inner, scaler): Self::Record) -> Self {
+        self.inner = self.inner.load_record(inner);
+        if let Some(record) = scaler {
+            let scale = record.scale;
+            match self.scaler.take() {
+                Some(scaler) => {
+                    let scaler = scaler.load_record(record);
+                    if let Some(owner) = self.owner() {
+                        registry::publish::<B::InnerBackend>(owner, primitive(scaler.scale_tensor()));
+                    }
+                    self.scaler = Some(scaler);
+                }
+                None => {
+                    self.loaded = Some(record);
+                    if let Some(owner) = self.owner() {
+                        registry::reset(owner, scale);
+                    }
+                }
+            }
+        }
+        self
+    }
+}

@@ -1,0 +1,206 @@
+//! Which loss scale `Amp<B>`'s backward multiplies the root by.
+//!
+//! An [`AmpOptimizer`](super::AmpOptimizer) installs itself for its training backend type
+//! (`Amp<Autodiff<..>>`) when it is made and uninstalls when its last clone is dropped. While
+//! it is installed, every `backward` on that backend at a precision that needs loss scaling
+//! (f16) multiplies the loss by the scale, kept here per device as a device tensor (no host
+//! read), and counts the scaled backward so that the optimizer knows its gradients are scaled.
+//!
+//! The table is process-wide, as PyTorch's autocast state is: `backward` has no other way to
+//! find the scaler (burn-train's `Learner` calls it inside the user's `TrainStep`, on worker
+//! threads when it trains on several devices). One installation per backend type: a second
+//! one while the first lives is [`AmpOptimizerError::AlreadyInstalled`](super::AmpOptimizerError).
+
+use core::any::{Any, TypeId};
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+
+use burn_backend::tensor::FloatTensor;
+use burn_backend::{AutodiffBackend, Backend, DType, DeviceOps, TensorMetadata};
+use burn_std::device::DeviceId;
+use burn_std::{FloatDType, Shape};
+
+use crate::{Amp, Precision};
+
+/// One device's copy of the scale and the backwards scaled with it since the last step.
+struct DeviceScale {
+    device: DeviceId,
+    /// `FloatTensor<Inner>`, f32 `[1]`, on `device`; `None` until needed.
+    scale: Option<Box<dyn Any + Send>>,
+    scaled_backwards: u64,
+}
+
+/// The installation of one optimizer for one training backend type.
+struct Installation {
+    backend: TypeId,
+    owner: u64,
+    /// The scale before the optimizer published one (its config's, or a loaded record's).
+    initial_scale: f32,
+    /// The optimizer's current scale (`FloatTensor<Inner>` on its main device), copied to
+    /// each device on its first backward after a step.
+    current: Option<Box<dyn Any + Send>>,
+    devices: Vec<DeviceScale>,
+}
+
+static TABLE: Mutex<Vec<Installation>> = Mutex::new(Vec::new());
+/// Installations alive: a backward with none takes no lock.
+static INSTALLED: AtomicUsize = AtomicUsize::new(0);
+static NEXT_OWNER: AtomicU64 = AtomicU64::new(1);
+static WARNED_UNSCALED: AtomicBool = AtomicBool::new(false);
+
+fn table() -> std::sync::MutexGuard<'static, Vec<Installation>> {
+    // A panic while the lock was held leaves the table consistent (every change is one push,
+    // retain or field write), so a poisoned lock is still usable.
+    TABLE.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Installs a scaler for the training backend `T`. `Err(owner)` names the live installation
+/// that already has it.
+pub(crate) fn install<T: 'static>(initial_scale: f32) -> Result<u64, ()> {
+    let mut table = table();
+    if table.iter().any(|i| i.backend == TypeId::of::<T>()) {
+        return Err(());
+    }
+    let owner = NEXT_OWNER.fetch_add(1, Ordering::Relaxed);
+    table.push(Installation {
+        backend: TypeId::of::<T>(),
+        owner,
+        initial_scale,
+        current: None,
+        devices: Vec::new(),
+    });
+    INSTALLED.fetch_add(1, Ordering::Release);
+    Ok(owner)
+}
+
+pub(crate) fn uninstall(owner: u64) {
+    let mut table = table();
+    let before = table.len();
+    table.retain(|i| i.owner != owner);
+    if table.len() < before {
+        INSTALLED.fetch_sub(1, Ordering::Release);
+    }
+}
+
+fn with_installation<R>(owner: u64, f: impl FnOnce(&mut Installation) -> R) -> Option<R> {
+    table().iter_mut().find(|i| i.owner == owner).map(f)
+}
+
+/// Publishes the optimizer's scale after a step (or a load): every device's next backward
+/// uses it (copied to that device on its first use).
+pub(crate) fn publish<IB: Backend>(owner: u64, scale: FloatTensor<IB>) {
+    with_installation(owner, |i| {
+        i.current = Some(Box::new(scale));
+        i.devices.iter_mut().for_each(|d| d.scale = None);
+    });
+}
+
+/// Sets the scale of backwards before the first published one (after loading a record into
+/// an optimizer that has not stepped yet), and forgets the published one.
+pub(crate) fn reset(owner: u64, initial_scale: f32) {
+    with_installation(owner, |i| {
+        i.initial_scale = initial_scale;
+        i.current = None;
+        i.devices.iter_mut().for_each(|d| d.scale = None);
+    });
+}
+
+/// The scaled backwards on every device since the last call; resets the counts.
+pub(crate) fn take_scaled_backwards(owner: u64) -> u64 {
+    with_installation(owner, |i| {
+        i.devices
+            .iter_mut()
+            .map(|d| core::mem::take(&mut d.scaled_backwards))
+            .sum()
+    })
+    .unwrap_or(0)
+}
+
+/// The root of `Amp<AB>`'s backward: `loss × scale` (in f32) when a scaler is installed for
+/// `Amp<AB>` and the thread's precision on the loss's device needs loss scaling, else `loss`.
+pub(crate) fn scale_root<AB: AutodiffBackend>(loss: FloatTensor<AB>) -> FloatTensor<AB> {
+    if INSTALLED.load(Ordering::Acquire) == 0 {
+        warn_if_unscaled_f16::<AB>(&loss);
+        return loss;
+    }
+    let device = AB::float_device(&loss);
+    let mut table = table();
+    let Some(installation) = table
+        .iter_mut()
+        .find(|i| i.backend == TypeId::of::<Amp<AB>>())
+    else {
+        drop(table);
+        warn_if_unscaled_f16::<AB>(&loss);
+        return loss;
+    };
+    if !Precision::effective::<Amp<AB>>(&device).needs_loss_scaling() {
+        return loss;
+    }
+    let scale = device_scale::<AB::InnerBackend>(installation, &device);
+    let scale = AB::float_reshape(
+        AB::from_inner(scale),
+        Shape::from(vec![1; loss.shape().num_dims()]),
+    );
+    // In f32: an f16 loss times 65536 would overflow before backward starts.
+    let loss = match loss.dtype() {
+        DType::F32 => loss,
+        _ => AB::float_cast(loss, FloatDType::F32),
+    };
+    AB::float_mul(loss, scale)
+}
+
+/// The scale on `device` (copied there, or made from the initial scale, on first use), and
+/// one more scaled backward counted there.
+fn device_scale<IB: Backend>(i: &mut Installation, device: &IB::Device) -> FloatTensor<IB> {
+    let id = device.id();
+    let index = match i.devices.iter().position(|d| d.device == id) {
+        Some(index) => index,
+        None => {
+            i.devices.push(DeviceScale {
+                device: id,
+                scale: None,
+                scaled_backwards: 0,
+            });
+            i.devices.len() - 1
+        }
+    };
+    let current = i
+        .current
+        .as_ref()
+        .and_then(|c| c.downcast_ref::<FloatTensor<IB>>())
+        .cloned();
+    let initial = i.initial_scale;
+    let entry = &mut i.devices[index];
+    entry.scaled_backwards += 1;
+    if let Some(scale) = entry
+        .scale
+        .as_ref()
+        .and_then(|s| s.downcast_ref::<FloatTensor<IB>>())
+    {
+        return scale.clone();
+    }
+    let scale = match current {
+        Some(current) => IB::float_to_device(current, device),
+        None => crate::grads::primitive(crate::grads::f32_scalar::<IB>(initial, device)),
+    };
+    entry.scale = Some(Box::new(scale.clone()));
+    scale
+}
+
+/// An f16 backward with no loss scaler: gradients below 6e-8 flush to zero, silently. Said
+/// once per process (a hand-written loop that scales with `GradScaler::scale` is fine).
+fn warn_if_unscaled_f16<AB: AutodiffBackend>(loss: &FloatTensor<AB>) {
+    if WARNED_UNSCALED.load(Ordering::Relaxed) {
+        return;
+    }
+    let device = AB::float_device(loss);
+    if Precision::effective::<Amp<AB>>(&device).needs_loss_scaling()
+        && !WARNED_UNSCALED.swap(true, Ordering::Relaxed)
+    {
+        log::warn!(
+            "burn-amp: backward at f16 with no AmpOptimizer installed: unless this loop scales \
+             the loss itself (GradScaler::scale), small gradients flush to zero. Wrap the \
+             optimizer: AmpOptimizer::new(optim, GradScalerConfig::new())"
+        );
+    }
+}
