@@ -39,8 +39,8 @@ pub mod optim;
 pub mod precision;
 pub mod scaler;
 
-pub use amp_optimizer::{AmpOptimizer, AmpOptimizerError};
 pub use accumulate::{GradientAccumulation, GradientAccumulationConfig, Reduction};
+pub use amp_optimizer::{AmpOptimizer, AmpOptimizerError};
 pub use backend::{Amp, host_reads};
 pub use error::AmpError;
 pub use frozen::{Frozen, freeze};

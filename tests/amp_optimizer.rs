@@ -15,9 +15,9 @@ use burn::backend::{Autodiff, Flex};
 use burn::module::AutodiffModule;
 use burn::optim::{AdamConfig, GradientsParams, MultiGradientsParams, Optimizer, SgdConfig};
 use burn::prelude::*;
+use burn::tensor::TensorPrimitive;
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::{DType, FloatDType};
-use burn::tensor::TensorPrimitive;
 use burn_amp::amp_optimizer::ScalerSnapshot;
 use burn_amp::grads::GradList;
 use burn_amp::optim::FusedAdamWConfig;
@@ -46,7 +46,11 @@ fn model(device: &burn::tensor::Device<B>) -> Mlp<B> {
 }
 
 /// A fixed batch per step; `poison` puts a NaN into it.
-fn batch(step: usize, poison: bool, device: &burn::tensor::Device<B>) -> (Tensor<B, 2>, Tensor<B, 1, Int>) {
+fn batch(
+    step: usize,
+    poison: bool,
+    device: &burn::tensor::Device<B>,
+) -> (Tensor<B, 2>, Tensor<B, 1, Int>) {
     let rows = 16;
     let mut x: Vec<f32> = (0..rows * D_IN)
         .map(|i| ((i * 7 + step * 13) % 23) as f32 / 23.0 - 0.5)
@@ -90,7 +94,13 @@ impl<O: Optimizer<Mlp<B>, B>> Optimizer<Mlp<B>, B> for Recorder<O> {
         let all = list
             .tensors()
             .into_iter()
-            .flat_map(|g| Tensor::<Inner, 1>::from_primitive(TensorPrimitive::Float(g)).cast(DType::F32).into_data().to_vec::<f32>().unwrap())
+            .flat_map(|g| {
+                Tensor::<Inner, 1>::from_primitive(TensorPrimitive::Float(g))
+                    .cast(DType::F32)
+                    .into_data()
+                    .to_vec::<f32>()
+                    .unwrap()
+            })
             .collect();
         self.seen.lock().unwrap().push(all);
         self.inner.step(lr, module, grads)
@@ -152,7 +162,10 @@ fn f16_gradients_reach_the_optimizer_unscaled() {
     );
     // At f32 the wrapper passes the very same gradients through.
     let (passed, scale_used) = recorded_grads(Precision::F32, true);
-    assert_eq!(passed, reference, "f32 through the wrapper must be unchanged");
+    assert_eq!(
+        passed, reference,
+        "f32 through the wrapper must be unchanged"
+    );
     assert_eq!(scale_used, 1.0);
 }
 
@@ -250,7 +263,11 @@ fn bf16_passes_through_and_scales_nothing() {
     let _s = serial();
     let _g = autocast(Precision::Bf16);
     let device = Default::default();
-    let mut wrapped = AmpOptimizer::new(SgdConfig::new().init::<B, Mlp<B>>(), GradScalerConfig::new()).unwrap();
+    let mut wrapped = AmpOptimizer::new(
+        SgdConfig::new().init::<B, Mlp<B>>(),
+        GradScalerConfig::new(),
+    )
+    .unwrap();
     let mut plain = SgdConfig::new().init::<B, Mlp<B>>();
     let (mut a, mut b) = (model(&device), model(&device));
     for i in 0..3 {
@@ -268,7 +285,10 @@ fn a_second_optimizer_on_one_backend_is_refused_until_the_first_is_dropped() {
     let first = AmpOptimizer::new(sgd(), GradScalerConfig::new()).unwrap();
     let clone = first.clone(); // a clone is the same installation (Learner clones it)
     let err = AmpOptimizer::new(sgd(), GradScalerConfig::new()).unwrap_err();
-    assert!(matches!(err, AmpOptimizerError::AlreadyInstalled { .. }), "{err}");
+    assert!(
+        matches!(err, AmpOptimizerError::AlreadyInstalled { .. }),
+        "{err}"
+    );
     assert!(err.to_string().contains("already installed"), "{err}");
     drop(first);
     assert!(AmpOptimizer::new(sgd(), GradScalerConfig::new()).is_err());
@@ -287,7 +307,9 @@ fn the_record_resumes_the_scale_trajectory() {
     let _s = serial();
     let _g = autocast(Precision::F16);
     let device = Default::default();
-    let config = GradScalerConfig::new().with_growth_interval(2).with_init_scale(16.0);
+    let config = GradScalerConfig::new()
+        .with_growth_interval(2)
+        .with_init_scale(16.0);
     let adam = || AdamConfig::new().init::<B, Mlp<B>>();
 
     // Uninterrupted: 6 steps, one overflow at 1.
@@ -317,7 +339,9 @@ fn the_record_resumes_the_scale_trajectory() {
 }
 
 /// The record, through bytes as a checkpointer writes it.
-fn burn_amp_record<O>(optim: &AmpOptimizer<O, B>) -> <AmpOptimizer<O, B> as Optimizer<Mlp<B>, B>>::Record
+fn burn_amp_record<O>(
+    optim: &AmpOptimizer<O, B>,
+) -> <AmpOptimizer<O, B> as Optimizer<Mlp<B>, B>>::Record
 where
     O: Optimizer<Mlp<B>, B> + burn_amp::scaler::ScaledStep<Mlp<B>, B>,
 {
@@ -330,7 +354,11 @@ fn multi_device_gradients_are_checked_together() {
     let _s = serial();
     let _g = autocast(Precision::F16);
     let device: burn::tensor::Device<B> = Default::default();
-    let mut optim = AmpOptimizer::new(AdamConfig::new().init::<B, Mlp<B>>(), GradScalerConfig::new()).unwrap();
+    let mut optim = AmpOptimizer::new(
+        AdamConfig::new().init::<B, Mlp<B>>(),
+        GradScalerConfig::new(),
+    )
+    .unwrap();
     let mut m = model(&device);
     for (i, poison) in [(0, [false, false]), (1, [false, true]), (2, [false, false])] {
         let before = weights_bits(&m);
@@ -339,7 +367,9 @@ fn multi_device_gradients_are_checked_together() {
         for (w, p) in poison.into_iter().enumerate() {
             let (x, y) = batch(i * 2 + w, p, &device);
             let grads = GradientsParams::from_grads(m.loss(x, y).backward(), &m);
-            multi.grads.push((grads, burn::tensor::backend::DeviceOps::id(&device)));
+            multi
+                .grads
+                .push((grads, burn::tensor::backend::DeviceOps::id(&device)));
         }
         m = optim.step_multi(1e-2, m, multi);
         assert_eq!(weights_bits(&m) != before, i != 1, "step {i}");

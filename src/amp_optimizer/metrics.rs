@@ -18,8 +18,8 @@ use std::sync::{Arc, Mutex};
 use burn::prelude::*;
 use burn::train::metric::state::{FormatOptions, NumericMetricState};
 use burn::train::metric::{
-    Metric, MetricAttributes, MetricMetadata, MetricName, Numeric, NumericAttributes,
-    NumericEntry, SerializedEntry,
+    Metric, MetricAttributes, MetricMetadata, MetricName, Numeric, NumericAttributes, NumericEntry,
+    SerializedEntry,
 };
 
 /// The scaler's figures at one point of training.
@@ -63,8 +63,9 @@ impl ScalerMonitor {
     }
 
     /// Called by the optimizer after each step: `stepped` when an optimizer step was taken or
-    /// skipped, with the device tensors to read (the scaler's f32 `[4]` state and the skip
-    /// count) after a scaled one.
+    /// skipped (not a micro-step that only accumulated), with the device tensors to read (the
+    /// scaler's f32 `[4]` state and the skip count) after a scaled one. Handing over tensor
+    /// handles reads nothing.
     pub(crate) fn record<B: Backend>(
         &self,
         stepped: bool,
@@ -75,15 +76,22 @@ impl ScalerMonitor {
             state.optimizer_steps += 1;
         }
         if let Some((scaler_state, skipped)) = device {
+            state.cached = None;
             state.reader = Some(Box::new(move || {
-                let both = Tensor::cat(vec![scaler_state.clone().narrow(0, 0, 1), skipped.clone()], 0);
+                let both = Tensor::cat(
+                    vec![scaler_state.clone().narrow(0, 0, 1), skipped.clone()],
+                    0,
+                );
                 let values = both.into_data().to_vec::<f32>().unwrap_or_default();
-                (values.first().copied().unwrap_or(f32::NAN), values.get(1).copied().unwrap_or(0.0))
+                (
+                    values.first().copied().unwrap_or(f32::NAN),
+                    values.get(1).copied().unwrap_or(0.0),
+                )
             }));
         }
     }
 
-    /// The figures now: one read from the device, unless no step was taken since the last.
+    /// The figures now: one read from the device, unless nothing changed since the last.
     pub fn snapshot(&self) -> ScalerSnapshot {
         let mut state = self.lock();
         let steps = state.optimizer_steps;

@@ -239,21 +239,24 @@ where
         }
         let mut scaler = self.take_scaler(&device)?;
         let stepped = scaler.step(&mut self.inner, lr, module, grads);
-        let result = stepped.and_then(|(module, report)| scaler.update().map(|()| (module, report)));
+        let result =
+            stepped.and_then(|(module, report)| scaler.update().map(|()| (module, report)));
         let (scale, state) = (scaler.scale_tensor(), scaler.state());
         self.scaler = Some(scaler);
         let (module, report) = result?;
-        if let Some(found_inf) = report.found_inf() {
-            let skipped = self.skipped.take().expect("made with the scaler") + found_inf;
-            self.skipped = Some(skipped.clone());
-            if let Some(owner) = self.owner() {
-                registry::publish::<B::InnerBackend>(owner, primitive(scale));
+        let skipped = self.skipped.take().expect("made with the scaler");
+        let skipped = match report.found_inf() {
+            Some(found_inf) => {
+                if let Some(owner) = self.owner() {
+                    registry::publish::<B::InnerBackend>(owner, primitive(scale));
+                }
+                skipped + found_inf
             }
-            self.monitor.record(true, Some((state, skipped)));
-        } else {
-            self.monitor
-                .record::<B::InnerBackend>(!report.accumulated(), None);
-        }
+            None => skipped, // mid-window: nothing checked, the scale stays
+        };
+        self.skipped = Some(skipped.clone());
+        self.monitor
+            .record(!report.accumulated(), Some((state, skipped)));
         Ok(module)
     }
 }
@@ -310,7 +313,10 @@ where
                 Some(scaler) => {
                     let scaler = scaler.load_record(record);
                     if let Some(owner) = self.owner() {
-                        registry::publish::<B::InnerBackend>(owner, primitive(scaler.scale_tensor()));
+                        registry::publish::<B::InnerBackend>(
+                            owner,
+                            primitive(scaler.scale_tensor()),
+                        );
                     }
                     self.scaler = Some(scaler);
                 }

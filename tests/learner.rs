@@ -1,0 +1,589 @@
+//! f16 under burn-train's `Learner` with an unmodified `TrainStep`: only the backend type
+//! (`Amp<Autodiff<..>>`) and the optimizer (`AmpOptimizer::new(adam, ..)`) change.
+//!
+//! - f16 trains like f32 on Flex and on Wgpu, parameters stay f32, and the scaler adds no
+//!   host read to the training thread;
+//! - poisoned batches (NaN inputs) are exactly the skipped steps, shown by the metrics; with
+//!   accumulation of 4 the window is skipped once;
+//! - Learner's own checkpointer saves and restores the scaler;
+//! - several devices (the same device listed twice: what this machine can open), both
+//!   `MultiDeviceOptim` variants: one skip decision for every worker.
+
+mod common;
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use burn::backend::{Autodiff, Flex, Wgpu};
+use burn::data::dataloader::DataLoaderBuilder;
+use burn::data::dataloader::batcher::Batcher;
+use burn::data::dataset::Dataset;
+use burn::nn::loss::CrossEntropyLossConfig;
+use burn::optim::{AdamConfig, Optimizer};
+use burn::prelude::*;
+use burn::record::{FullPrecisionSettings, NamedMpkFileRecorder};
+use burn::tensor::DType;
+use burn::tensor::backend::AutodiffBackend;
+use burn::train::metric::{LossMetric, MetricDefinition, MetricId, NumericEntry};
+use burn::train::renderer::{
+    EvaluationName, EvaluationProgress, MetricState, MetricsRenderer, MetricsRendererEvaluation,
+    MetricsRendererTraining, ProgressType, TrainingProgress,
+};
+use burn::train::{
+    ClassificationOutput, ExecutionStrategy, InferenceStep, Learner, MultiDeviceOptim,
+    SupervisedTraining, TrainOutput, TrainStep,
+};
+use burn_amp::amp_optimizer::{LossScaleMetric, ScalerMonitor, SkippedStepsMetric};
+use burn_amp::optim::FusedAdamWConfig;
+use burn_amp::scaler::{GradScalerConfig, ScaledStep};
+use burn_amp::{
+    Amp, AmpOptimizer, GradientAccumulation, Precision, autocast, host_reads, set_default_precision,
+};
+use common::models::Mlp;
+
+const D_IN: usize = 8;
+const CLASSES: usize = 4;
+const BATCH: usize = 32;
+const SAMPLES: usize = 512; // 16 iterations per epoch
+
+static SERIAL: Mutex<()> = Mutex::new(());
+
+/// One test at a time: an `AmpOptimizer` installs itself for the process.
+fn serial() -> MutexGuard<'static, ()> {
+    SERIAL.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+// ------------------------------------------------------------ the user's code (no burn-amp)
+
+#[derive(Debug, Clone)]
+struct Sample {
+    x: [f32; D_IN],
+    y: i64,
+    poison: bool,
+}
+
+/// Four Gaussian-ish blobs, deterministic; the samples of the batches in `poison` carry a NaN.
+struct Blobs(Vec<Sample>);
+
+impl Blobs {
+    fn new(n: usize, seed: u64, poisoned_batches: &[usize]) -> Self {
+        let mut state = seed
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        let mut uniform = move || {
+            state = state
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            ((state >> 33) as f32 / (1u64 << 31) as f32) - 0.5
+        };
+        let samples = (0..n)
+            .map(|i| {
+                let y = (i % CLASSES) as i64;
+                let mut x = [0.0; D_IN];
+                for (d, v) in x.iter_mut().enumerate() {
+                    let centre = if d % CLASSES == y as usize { 1.5 } else { 0.0 };
+                    *v = centre + uniform();
+                }
+                Sample {
+                    x,
+                    y,
+                    poison: poisoned_batches.contains(&(i / BATCH)),
+                }
+            })
+            .collect();
+        Self(samples)
+    }
+}
+
+impl Dataset<Sample> for Blobs {
+    fn get(&self, index: usize) -> Option<Sample> {
+        self.0.get(index).cloned()
+    }
+
+    fn len(&self) -> usize {
+        self.0.len()
+    }
+}
+
+#[derive(Debug, Clone)]
+struct BlobBatch<B: Backend> {
+    x: Tensor<B, 2>,
+    y: Tensor<B, 1, Int>,
+}
+
+#[derive(Debug, Clone, Default)]
+struct BlobBatcher;
+
+impl<B: Backend> Batcher<B, Sample, BlobBatch<B>> for BlobBatcher {
+    fn batch(&self, items: Vec<Sample>, device: &B::Device) -> BlobBatch<B> {
+        let n = items.len();
+        let x: Vec<f32> = items
+            .iter()
+            .flat_map(|s| {
+                let mut x = s.x;
+                if s.poison {
+                    x[0] = f32::NAN;
+                }
+                x
+            })
+            .collect();
+        let y: Vec<i64> = items.iter().map(|s| s.y).collect();
+        BlobBatch {
+            x: Tensor::from_data(TensorData::new(x, [n, D_IN]), device),
+            y: Tensor::from_data(TensorData::new(y, [n]), device),
+        }
+    }
+}
+
+#[derive(Module, Debug)]
+struct Classifier<B: Backend> {
+    mlp: Mlp<B>,
+}
+
+impl<B: Backend> Classifier<B> {
+    fn forward_classification(&self, batch: BlobBatch<B>) -> ClassificationOutput<B> {
+        let logits = self.mlp.forward(batch.x).cast(DType::F32);
+        let loss = CrossEntropyLossConfig::new()
+            .init(&logits.device())
+            .forward(logits.clone(), batch.y.clone());
+        ClassificationOutput::new(loss, logits, batch.y)
+    }
+}
+
+impl<B: AutodiffBackend> TrainStep for Classifier<B> {
+    type Input = BlobBatch<B>;
+    type Output = ClassificationOutput<B>;
+
+    fn step(&self, batch: BlobBatch<B>) -> TrainOutput<ClassificationOutput<B>> {
+        let item = self.forward_classification(batch);
+        TrainOutput::new(self, item.loss.backward(), item)
+    }
+}
+
+impl<B: Backend> InferenceStep for Classifier<B> {
+    type Input = BlobBatch<B>;
+    type Output = ClassificationOutput<B>;
+
+    fn step(&self, batch: BlobBatch<B>) -> ClassificationOutput<B> {
+        self.forward_classification(batch)
+    }
+}
+
+// ------------------------------------------------------------------------ harness
+
+/// Keeps every numeric training metric's values, by name, in order.
+#[derive(Clone, Default)]
+struct Recorder {
+    names: Arc<Mutex<HashMap<MetricId, String>>>,
+    values: Arc<Mutex<HashMap<String, Vec<f64>>>>,
+}
+
+impl Recorder {
+    fn series(&self, name: &str) -> Vec<f64> {
+        self.values
+            .lock()
+            .unwrap()
+            .get(name)
+            .cloned()
+            .unwrap_or_default()
+    }
+}
+
+impl MetricsRendererTraining for Recorder {
+    fn update_train(&mut self, state: MetricState) {
+        if let MetricState::Numeric(entry, value) = state {
+            let name = self.names.lock().unwrap().get(&entry.metric_id).cloned();
+            let value = match value {
+                NumericEntry::Value(v) => v,
+                NumericEntry::Aggregated {
+                    aggregated_value, ..
+                } => aggregated_value,
+            };
+            let mut values = self.values.lock().unwrap();
+            values
+                .entry(name.unwrap_or_default())
+                .or_default()
+                .push(value);
+        }
+    }
+
+    fn update_valid(&mut self, _state: MetricState) {}
+
+    fn render_train(&mut self, _item: TrainingProgress, _: Vec<ProgressType>) {}
+
+    fn render_valid(&mut self, _item: TrainingProgress, _: Vec<ProgressType>) {}
+}
+
+impl MetricsRendererEvaluation for Recorder {
+    fn update_test(&mut self, _name: EvaluationName, _state: MetricState) {}
+
+    fn render_test(&mut self, _item: EvaluationProgress, _: Vec<ProgressType>) {}
+}
+
+impl MetricsRenderer for Recorder {
+    fn manual_close(&mut self) {}
+
+    fn register_metric(&mut self, definition: MetricDefinition) {
+        self.names
+            .lock()
+            .unwrap()
+            .insert(definition.metric_id, definition.name);
+    }
+}
+
+/// How one `Learner` run is set up.
+struct Run<'a, B: AutodiffBackend> {
+    name: &'a str,
+    device: B::Device,
+    epochs: usize,
+    poison: &'a [usize],
+    strategy: Option<ExecutionStrategy<B>>,
+    /// Save a checkpoint each epoch / resume from this epoch's.
+    checkpoint: bool,
+    resume: Option<usize>,
+    monitor: Option<ScalerMonitor>,
+}
+
+impl<'a, B: AutodiffBackend> Run<'a, B> {
+    fn new(name: &'a str, device: B::Device) -> Self {
+        Self {
+            name,
+            device,
+            epochs: 2,
+            poison: &[],
+            strategy: None,
+            checkpoint: false,
+            resume: None,
+            monitor: None,
+        }
+    }
+}
+
+/// What a run left: the metric series, the trained model's parameters, the training thread's
+/// host reads.
+struct Outcome {
+    metrics: Recorder,
+    params: Vec<f32>,
+    param_dtypes: Vec<DType>,
+    host_reads: u64,
+}
+
+fn artifacts(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("burn-amp-learner-{}-{name}", std::process::id()));
+    if !KEEP.with(|k| k.get()) {
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+    dir
+}
+
+fn fit<B, O>(run: Run<B>, optim: O) -> Outcome
+where
+    B: AutodiffBackend,
+    O: Optimizer<Classifier<B>, B> + 'static,
+{
+    B::seed(&run.device, 5);
+    let model = Classifier {
+        mlp: Mlp::new(D_IN, 32, CLASSES, &run.device),
+    };
+    let train = DataLoaderBuilder::<B, _, _>::new(BlobBatcher)
+        .batch_size(BATCH)
+        .build(Blobs::new(SAMPLES, 1, run.poison));
+    let valid = DataLoaderBuilder::<B::InnerBackend, _, _>::new(BlobBatcher)
+        .batch_size(128)
+        .build(Blobs::new(128, 2, &[]));
+    let recorder = Recorder::default();
+    let dir = artifacts(run.name);
+    let mut training = SupervisedTraining::new(&dir, train, valid)
+        .metric_train_numeric(LossMetric::new())
+        .num_epochs(run.epochs)
+        .renderer(recorder.clone());
+    if let Some(monitor) = &run.monitor {
+        training = training
+            .metric_train_numeric(LossScaleMetric::new(monitor))
+            .metric_train_numeric(SkippedStepsMetric::new(monitor));
+    }
+    if let Some(strategy) = run.strategy {
+        training = training.with_training_strategy(strategy.into());
+    }
+    if run.checkpoint {
+        training =
+            training.with_file_checkpointer(NamedMpkFileRecorder::<FullPrecisionSettings>::new());
+    }
+    if let Some(epoch) = run.resume {
+        training = training.checkpoint(epoch);
+    }
+    let before = host_reads();
+    let result = training.launch(Learner::new(model, optim, 1e-2));
+    let host_reads = host_reads() - before;
+    let params = common::models::params(&result.model);
+    let param_dtypes = [&result.model.mlp.l1.weight, &result.model.mlp.l2.weight]
+        .map(|p| p.val().dtype())
+        .to_vec();
+    Outcome {
+        metrics: recorder,
+        params,
+        param_dtypes,
+        host_reads,
+    }
+}
+
+fn adam<B: AutodiffBackend>()
+-> impl Optimizer<Classifier<B>, B> + ScaledStep<Classifier<B>, B> + 'static
+where
+    B::InnerBackend: burn_amp::scaler::ScalerKernels,
+{
+    AdamConfig::new().init::<B, Classifier<B>>()
+}
+
+fn wrapped<B, O>(optim: O) -> AmpOptimizer<O, B>
+where
+    B: AutodiffBackend,
+    B::InnerBackend: burn_amp::scaler::ScalerKernels,
+    O: Optimizer<Classifier<B>, B>,
+{
+    AmpOptimizer::new(optim, GradScalerConfig::new()).expect("one installation")
+}
+
+fn mean_tail(series: &[f64], n: usize) -> f64 {
+    let tail = &series[series.len().saturating_sub(n)..];
+    tail.iter().sum::<f64>() / tail.len() as f64
+}
+
+/// The same program at f32 and f16: the f16 loss curve ends near the f32 one.
+fn f16_trains_like_f32<IB>(device: IB::Device, name: &str)
+where
+    IB: Backend,
+    Amp<Autodiff<IB>>: AutodiffBackend<Device = IB::Device>,
+    <Amp<Autodiff<IB>> as AutodiffBackend>::InnerBackend: burn_amp::scaler::ScalerKernels,
+{
+    type T<IB> = Amp<Autodiff<IB>>;
+    let run = |precision: Precision| {
+        let _g = autocast(precision);
+        let optim = wrapped(adam::<T<IB>>());
+        let monitor = optim.monitor();
+        let mut run = Run::<T<IB>>::new(name, device.clone());
+        run.monitor = Some(monitor.clone());
+        let outcome = fit(run, optim);
+        (outcome, monitor.snapshot())
+    };
+    let (f32_run, f32_scaler) = run(Precision::F32);
+    let (f16_run, f16_scaler) = run(Precision::F16);
+    let (l32, l16) = (
+        f32_run.metrics.series("Loss"),
+        f16_run.metrics.series("Loss"),
+    );
+    assert_eq!(l16.len(), 2 * SAMPLES / BATCH, "one loss per iteration");
+    let (end32, end16) = (mean_tail(&l32, 4), mean_tail(&l16, 4));
+    eprintln!(
+        "{name}: loss {:.4} -> f32 {end32:.4}, f16 {end16:.4}; scaler {f16_scaler:?}",
+        l16[0]
+    );
+    assert!(
+        end32 < 0.5 * l32[0],
+        "f32 did not train: {} -> {end32}",
+        l32[0]
+    );
+    assert!(
+        (end16 - end32).abs() < 0.05 + 0.1 * end32,
+        "f16 ends at {end16}, f32 at {end32}"
+    );
+    assert_eq!(f16_run.param_dtypes, [DType::F32, DType::F32]);
+    // f16 was scaled (65536, no overflow), f32 passed through.
+    assert_eq!(f16_scaler.scale, 65536.0);
+    assert_eq!(f16_scaler.skipped_steps, 0);
+    assert_eq!(f16_scaler.optimizer_steps, l16.len() as u64);
+    assert_eq!(f32_scaler.scale, 1.0);
+    assert_eq!(f16_run.metrics.series("Loss Scale").last(), Some(&65536.0));
+    assert!(f16_run.params.iter().all(|p| p.is_finite()));
+}
+
+// -------------------------------------------------------------------------- tests
+
+#[test]
+fn f16_under_learner_trains_like_f32_on_flex() {
+    let _s = serial();
+    f16_trains_like_f32::<Flex>(Default::default(), "flex");
+}
+
+#[test]
+fn f16_under_learner_trains_like_f32_on_wgpu() {
+    let _s = serial();
+    let Some(device) = common::wgpu_device() else {
+        return;
+    };
+    f16_trains_like_f32::<Wgpu>(device, "wgpu");
+}
+
+type F = Amp<Autodiff<Flex>>;
+
+#[test]
+fn the_scaler_adds_no_host_read_to_the_training_thread() {
+    let _s = serial();
+    let fused = || FusedAdamWConfig::new().init::<F, Classifier<F>>().unwrap();
+    let reads = |precision| {
+        let _g = autocast(precision);
+        fit(Run::<F>::new("reads", Default::default()), wrapped(fused())).host_reads
+    };
+    let (f32_reads, f16_reads) = (reads(Precision::F32), reads(Precision::F16));
+    eprintln!("training-thread host reads over 32 iterations: f32 {f32_reads}, f16 {f16_reads}");
+    assert_eq!(f16_reads, f32_reads, "the f16 scaler read from the device");
+}
+
+#[test]
+fn poisoned_batches_are_exactly_the_skipped_steps() {
+    let _s = serial();
+    let _g = autocast(Precision::F16);
+    let optim = wrapped(adam::<F>());
+    let monitor = optim.monitor();
+    let mut run = Run::<F>::new("poison", Default::default());
+    run.epochs = 1;
+    run.poison = &[3, 9];
+    run.monitor = Some(monitor.clone());
+    let outcome = fit(run, optim);
+    let skipped = outcome.metrics.series("Skipped Steps");
+    let scale = outcome.metrics.series("Loss Scale");
+    // Iterations are 1-based in the metrics: batch 3 is the 4th value.
+    let expect_skipped: Vec<f64> = (0..16)
+        .map(|i| f64::from(u8::from(i >= 3) + u8::from(i >= 9)))
+        .collect();
+    assert_eq!(skipped, expect_skipped);
+    assert_eq!(scale[2], 65536.0);
+    assert_eq!(scale[3], 32768.0);
+    assert_eq!(scale[15], 16384.0);
+    assert!(
+        outcome.params.iter().all(|p| p.is_finite()),
+        "a NaN step was applied"
+    );
+    assert_eq!(monitor.snapshot().skipped_steps, 2);
+}
+
+#[test]
+fn with_accumulation_of_4_a_poisoned_window_is_skipped_once() {
+    let _s = serial();
+    let _g = autocast(Precision::F16);
+    let accum = GradientAccumulation::new(adam::<F>(), 4).unwrap();
+    let optim = wrapped(accum);
+    let monitor = optim.monitor();
+    let mut run = Run::<F>::new("accum", Default::default());
+    run.epochs = 1;
+    run.poison = &[5];
+    run.monitor = Some(monitor.clone());
+    let outcome = fit(run, optim);
+    let snapshot = monitor.snapshot();
+    assert_eq!((snapshot.optimizer_steps, snapshot.skipped_steps), (4, 1));
+    assert_eq!(snapshot.scale, 32768.0);
+    // The poisoned micro-batch is iteration 6 of the window 5..=8: the scale changes at the
+    // window's boundary step (the metrics of iteration 8 come after it), not before.
+    let scale = outcome.metrics.series("Loss Scale");
+    assert_eq!(&scale[..7], &[65536.0; 7]);
+    assert_eq!(scale[7], 32768.0);
+}
+
+#[test]
+fn learners_checkpointer_saves_and_restores_the_scaler() {
+    let _s = serial();
+    let _g = autocast(Precision::F16);
+    // The scale grows every 3 clean steps, so that it moves within an epoch.
+    let config = || {
+        GradScalerConfig::new()
+            .with_init_scale(4.0)
+            .with_growth_interval(3)
+    };
+    let make = || AmpOptimizer::new(adam::<F>(), config()).unwrap();
+
+    let optim = make();
+    let monitor = optim.monitor();
+    let mut run = Run::<F>::new("resume-full", Default::default());
+    (run.epochs, run.poison) = (3, &[4]);
+    let uninterrupted = fit(run, optim);
+    let expected = monitor.snapshot();
+
+    let optim = make();
+    let mut run = Run::<F>::new("resume", Default::default());
+    (run.epochs, run.poison, run.checkpoint) = (1, &[4], true);
+    fit(run, optim);
+    let optim = make();
+    let monitor = optim.monitor();
+    let mut run = Run::<F>::new("resume", Default::default());
+    (run.epochs, run.poison, run.checkpoint, run.resume) = (3, &[4], true, Some(1));
+    // The second process would start here: the artifacts of epoch 1 are kept.
+    let resumed = fit_keep(run, optim);
+    let got = monitor.snapshot();
+    assert_eq!(got.scale, expected.scale, "resumed scale differs");
+    assert!(
+        expected.scale > 4.0,
+        "the scale should have grown: {expected:?}"
+    );
+    let diff = resumed
+        .params
+        .iter()
+        .zip(&uninterrupted.params)
+        .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+    assert!(diff < 1e-6, "resumed parameters differ by {diff}");
+}
+
+/// [`fit`] without clearing the artifacts (a resumed run reads them).
+fn fit_keep<B, O>(run: Run<B>, optim: O) -> Outcome
+where
+    B: AutodiffBackend,
+    O: Optimizer<Classifier<B>, B> + 'static,
+{
+    KEEP.with(|k| k.set(true));
+    let outcome = fit(run, optim);
+    KEEP.with(|k| k.set(false));
+    outcome
+}
+
+thread_local! {
+    static KEEP: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+fn multi_device(strategy: MultiDeviceOptim, name: &str) {
+    // The workers are burn-train's threads: the process-wide precision reaches them.
+    let previous = set_default_precision(Some(Precision::F16));
+    let device: burn::tensor::Device<F> = Default::default();
+    let optim = wrapped(adam::<F>());
+    let monitor = optim.monitor();
+    let mut run = Run::<F>::new(name, device.clone());
+    run.epochs = 2;
+    run.poison = &[6];
+    run.monitor = Some(monitor.clone());
+    run.strategy = Some(ExecutionStrategy::multi(
+        vec![device.clone(), device],
+        strategy,
+    ));
+    let outcome = fit(run, optim);
+    set_default_precision(previous);
+    let snapshot = monitor.snapshot();
+    let loss = outcome.metrics.series("Loss");
+    eprintln!("{name}: loss {:?}, {snapshot:?}", loss);
+    // Two workers take one batch each per step: 8 steps an epoch; the poisoned batch lands on
+    // one worker and the whole step is skipped, once per epoch.
+    assert_eq!(snapshot.optimizer_steps, 16);
+    assert_eq!(snapshot.skipped_steps, 2);
+    assert_eq!(snapshot.scale, 16384.0);
+    let finite: Vec<f64> = loss.iter().copied().filter(|l| l.is_finite()).collect();
+    assert_eq!(
+        finite.len(),
+        loss.len() - 2,
+        "only the poisoned batches' losses are NaN"
+    );
+    assert!(
+        mean_tail(&finite, 4) < 0.5 * finite[0],
+        "did not train: {loss:?}"
+    );
+    assert!(outcome.params.iter().all(|p| p.is_finite()));
+}
+
+#[test]
+fn two_workers_optimizing_on_the_main_device_skip_together() {
+    let _s = serial();
+    multi_device(MultiDeviceOptim::OptimMainDevice, "multi-main");
+}
+
+#[test]
+fn two_workers_with_sharded_optimization_skip_together() {
+    let _s = serial();
+    multi_device(MultiDeviceOptim::OptimSharded, "multi-sharded");
+}
