@@ -28,8 +28,8 @@ use burn::tensor::backend::AutodiffBackend;
 use burn_amp::kernels::AmpKernels;
 use burn_amp::memory::{DeviceMemory, MemoryReport, MemorySource, StepMemory, parameter_bytes};
 use burn_amp::optim::FusedAdamWConfig;
-use burn_amp::scaler::{GradScaler, GradScalerConfig};
-use burn_amp::{Amp, Frozen, Precision, autocast};
+use burn_amp::scaler::GradScalerConfig;
+use burn_amp::{Amp, AmpOptimizer, Frozen, Precision, autocast};
 use clap::Parser;
 use tiny_lm::{ReversalTask, TinyLm, TinyLmConfig};
 
@@ -160,24 +160,23 @@ where
         .with_dropout(0.0);
     let vocab = config.vocab;
     let mut task = ReversalTask::new(vocab, config.seq_len, args.seed);
-    let scaler = || -> Result<GradScaler<B>, Box<dyn std::error::Error>> {
-        Ok(GradScalerConfig::new().init::<B>(&device, precision)?)
-    };
-
     // 1. The backbone, trained briefly on reversal (every parameter trainable).
     let mut backbone: TinyLm<B> = config.init(&device);
-    let mut optim = FusedAdamWConfig::new()
-        .with_weight_decay(0.0)
-        .init::<B, TinyLm<B>>()?;
-    let mut scaler_pre = scaler()?;
     let mut loss = None;
-    for _ in 0..args.pretrain_steps {
-        let (x, y) = task.batch::<B>(args.batch, &device);
-        let l = backbone.loss(x, y);
-        let grads = GradientsParams::from_grads(scaler_pre.scale(l.clone()).backward(), &backbone);
-        backbone = scaler_pre.step(&mut optim, args.lr, backbone, grads)?.0;
-        scaler_pre.update()?;
-        loss = Some(l);
+    {
+        // Loss scaling at f16, a pass-through otherwise. Dropped at the end of this block:
+        // one `AmpOptimizer` per backend at a time, and the fine-tuning one comes next.
+        let adamw = FusedAdamWConfig::new()
+            .with_weight_decay(0.0)
+            .init::<B, TinyLm<B>>()?;
+        let mut optim = AmpOptimizer::new(adamw, GradScalerConfig::new())?;
+        for _ in 0..args.pretrain_steps {
+            let (x, y) = task.batch::<B>(args.batch, &device);
+            let l = backbone.loss(x, y);
+            let grads = GradientsParams::from_grads(l.clone().backward(), &backbone);
+            backbone = optim.try_step(args.lr, backbone, grads)?;
+            loss = Some(l);
+        }
     }
     if let Some(l) = loss {
         eprintln!(
@@ -201,10 +200,10 @@ where
     let before = model.valid().accuracy(x, shifted(y, vocab));
 
     // 3. Fine-tuning: only the head has gradients and optimizer state.
-    let mut optim = FusedAdamWConfig::new()
+    let adamw = FusedAdamWConfig::new()
         .with_weight_decay(0.0)
         .init::<B, Finetune<B>>()?;
-    let mut scaler = scaler()?;
+    let mut optim = AmpOptimizer::new(adamw, GradScalerConfig::new())?;
     let mut report: Option<MemoryReport> = None;
     let mut losses = Vec::new();
     for step in 0..args.steps {
@@ -216,14 +215,13 @@ where
         if let Some(m) = memory.as_mut() {
             m.after_forward::<B>(&device);
         }
-        let grads = GradientsParams::from_grads(scaler.scale(l.clone()).backward(), &model);
+        let grads = GradientsParams::from_grads(l.clone().backward(), &model);
         if let Some(m) = memory.as_mut() {
             m.after::<B>(&device);
-            let state = optim.state_bytes(&model);
+            let state = optim.inner().state_bytes(&model);
             report = Some(m.report::<B, Finetune<B>>(&model, Some(&grads), state));
         }
-        model = scaler.step(&mut optim, args.lr, model, grads)?.0;
-        scaler.update()?;
+        model = optim.try_step(args.lr, model, grads)?;
         // Kept on the device; read once at the end.
         losses.push(l.inner());
     }

@@ -1,22 +1,30 @@
-//! The TinyLm of `train.rs` under burn-train's `Learner`: mixed precision by the backend
-//! type alone, gradient accumulation as a drop-in optimizer around Adam, and a learning-rate
-//! schedule that counts optimizer steps.
+//! The TinyLm of `train.rs` under burn-train's `Learner`, at any precision, with the
+//! `TrainStep` a Burn user already has (`loss.backward()`, nothing of burn-amp in it).
 //!
 //! ```sh
-//! cargo run --release --example learner
+//! cargo run --release --example learner                                  # Flex, bf16
+//! cargo run --release --example learner -- --precision f16 --inject-nan-at 40,41
+//! cargo run --release --example learner -- --backend wgpu               # f16 (no bf16 in WGSL)
+//! cargo run --release --example learner -- --devices 2                   # two workers
+//! cargo run --release --example learner -- --devices 2 --sharded
 //! cargo run --release --example learner -- --accum 2 --micro-batch 32 --epochs 4
 //! cargo run --release --example learner -- --epochs 4 --resume-epoch 3   # from a checkpoint
 //! ```
 //!
-//! - `Amp<Autodiff<Flex>>` is the backend: autocast at bf16, nothing else changes.
-//! - `GradientAccumulation::new(adam, N)` is the optimizer: `Learner` calls it once per
-//!   micro-batch, and it steps Adam once per N on their mean. `Learner`'s own
-//!   `grads_accumulation` stays unset (it would sum, and hold a second copy).
-//! - `WindowedLrScheduler` wraps the cosine schedule: `Learner` steps its scheduler once per
-//!   micro-batch, the wrapper advances the cosine once per window, so the schedule is written
-//!   in optimizer steps.
-//! - f16 is not offered here: it needs a `GradScaler`, which `Learner` has no place for; see
-//!   `train.rs` for the hand-written loop with the scaler.
+//! What differs from a plain burn-train program:
+//! - the backend type, `Amp<Autodiff<Flex>>` (or `Wgpu`): autocast;
+//! - the optimizer, wrapped once: `AmpOptimizer::new(GradientAccumulation::new(adam, N)?,
+//!   GradScalerConfig::new())`. At f16 `backward` scales the loss and the step unscales,
+//!   checks and skips on the device; at bf16/f32 it passes through. The accumulation window
+//!   steps Adam once per N micro-batches on their mean (`Learner`'s own `grads_accumulation`
+//!   would sum, and hold a second copy);
+//! - `WindowedLrScheduler` around the cosine: `Learner` steps its scheduler per micro-batch,
+//!   the wrapper advances the cosine once per window, so the schedule counts optimizer steps;
+//! - two more metrics, the loss scale and the skipped steps.
+//!
+//! `--devices N` lists the same device N times (what one CPU or one lavapipe can do): the
+//! workers are burn-train's threads, so the precision is set process-wide
+//! (`set_default_precision`) rather than with a guard on this thread.
 //!
 //! burn-train's metrics read the loss and outputs of every micro-batch back to the host
 //! (that is how `Learner` works); `train.rs` shows a loop that reads every k steps only.
@@ -28,9 +36,11 @@ mod tiny_lm;
 
 use std::collections::HashMap;
 use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Instant;
 
-use burn::backend::{Autodiff, Flex};
+use burn::backend::{Autodiff, Flex, Wgpu};
 use burn::data::dataloader::DataLoaderBuilder;
 use burn::data::dataloader::batcher::Batcher;
 use burn::data::dataset::Dataset;
@@ -48,22 +58,37 @@ use burn::train::renderer::{
     MetricsRendererTraining, ProgressType, TrainingProgress,
 };
 use burn::train::{
-    ClassificationOutput, InferenceStep, Learner, SupervisedTraining, TrainOutput, TrainStep,
+    ClassificationOutput, ExecutionStrategy, InferenceStep, Learner, MultiDeviceOptim,
+    SupervisedTraining, TrainOutput, TrainStep,
 };
 use burn_amp::accumulate::WindowedLrScheduler;
-use burn_amp::{Amp, GradientAccumulation, Precision, autocast};
+use burn_amp::amp_optimizer::{LossScaleMetric, SkippedStepsMetric};
+use burn_amp::kernels::AmpKernels;
+use burn_amp::scaler::GradScalerConfig;
+use burn_amp::{Amp, AmpOptimizer, GradientAccumulation, Precision, set_default_precision};
 use clap::Parser;
 use tiny_lm::{ReversalTask, TinyLm, TinyLmConfig};
-
-/// The training backend: mixed precision by type.
-type B = Amp<Autodiff<Flex>>;
 
 #[derive(Parser, Debug)]
 #[command(about = "Train TinyLm under burn-train's Learner with burn-amp")]
 struct Args {
-    /// bf16 or f32 (f16 needs a loss scaler: see the train example).
-    #[arg(long, default_value = "bf16")]
-    precision: Precision,
+    /// flex (CPU) or wgpu.
+    #[arg(long, default_value = "flex")]
+    backend: String,
+    /// f32, f16 or bf16; the default is the device's best (bf16 on Flex, f16 on wgpu).
+    #[arg(long)]
+    precision: Option<Precision>,
+    /// Train on this many workers (the default device listed N times).
+    #[arg(long, default_value_t = 1)]
+    devices: usize,
+    /// With --devices: shard the optimizer step across the workers (`OptimSharded`) instead
+    /// of stepping on the first (`OptimMainDevice`).
+    #[arg(long)]
+    sharded: bool,
+    /// Learner iterations (1-based, counted over all epochs) whose batch gets a NaN, to show
+    /// the loss scaler skipping them (f16 only).
+    #[arg(long, value_delimiter = ',')]
+    inject_nan_at: Vec<usize>,
     /// Epochs over the training set.
     #[arg(long, default_value_t = 3)]
     epochs: usize,
@@ -145,10 +170,16 @@ impl Dataset<ReversalSample> for ReversalDataset {
 struct ReversalBatch<B: Backend> {
     tokens: Tensor<B, 2, Int>,
     targets: Tensor<B, 2, Int>,
+    /// `--inject-nan-at` picked this batch: its logits become NaN.
+    poisoned: bool,
 }
 
+/// Makes the batches; counts them, to poison those that `--inject-nan-at` names.
 #[derive(Debug, Clone, Default)]
-struct ReversalBatcher;
+struct ReversalBatcher {
+    made: Arc<AtomicUsize>,
+    poison: Arc<Vec<usize>>,
+}
 
 impl<B: Backend> Batcher<B, ReversalSample, ReversalBatch<B>> for ReversalBatcher {
     fn batch(&self, items: Vec<ReversalSample>, device: &B::Device) -> ReversalBatch<B> {
@@ -158,9 +189,11 @@ impl<B: Backend> Batcher<B, ReversalSample, ReversalBatch<B>> for ReversalBatche
             tokens.extend(item.tokens);
             targets.extend(item.targets);
         }
+        let index = self.made.fetch_add(1, Ordering::Relaxed) + 1;
         ReversalBatch {
             tokens: Tensor::from_data(TensorData::new(tokens, [batch, seq]), device),
             targets: Tensor::from_data(TensorData::new(targets, [batch, seq]), device),
+            poisoned: self.poison.contains(&index),
         }
     }
 }
@@ -180,7 +213,11 @@ impl<B: Backend> Reverser<B> {
         let logits = self.lm.forward(batch.tokens);
         let [b, s, vocab] = logits.dims();
         // The logits come out of autocast in bf16; the metrics get f32.
-        let logits = logits.reshape([b * s, vocab]).cast(DType::F32);
+        let mut logits = logits.reshape([b * s, vocab]).cast(DType::F32);
+        if batch.poisoned {
+            // The demo's overflow: NaN logits, hence NaN loss and gradients.
+            logits = logits.mul_scalar(f32::NAN);
+        }
         let targets = batch.targets.reshape([b * s]);
         let loss = CrossEntropyLossConfig::new()
             .init(&logits.device())
@@ -339,20 +376,39 @@ fn main() {
 }
 
 fn run(args: &Args) -> Result<(), Box<dyn std::error::Error>> {
-    if args.precision == Precision::F16 {
-        return Err(
-            "f16 needs a loss scaler, which Learner has no place for: use \
-                    --precision bf16 here, or the train example for f16"
-                .into(),
-        );
+    match args.backend.as_str() {
+        "flex" => train::<Flex>(args, Default::default()),
+        "wgpu" => train::<Wgpu>(args, Default::default()),
+        other => Err(format!("unknown backend `{other}`: flex or wgpu").into()),
     }
-    if args.micro_batch == 0 || args.accum == 0 {
-        return Err("--micro-batch and --accum must be at least 1".into());
+}
+
+fn train<IB>(args: &Args, device: IB::Device) -> Result<(), Box<dyn std::error::Error>>
+where
+    IB: Backend,
+    Amp<IB>: AmpKernels,
+{
+    type B<IB> = Amp<Autodiff<IB>>;
+    if args.micro_batch == 0 || args.accum == 0 || args.devices == 0 {
+        return Err("--micro-batch, --accum and --devices must be at least 1".into());
     }
-    let device = Default::default();
-    // Autocast is per thread: `Learner` trains on this one (single device).
-    let _amp = autocast(args.precision);
-    B::seed(&device, args.seed);
+    let precision = args
+        .precision
+        .unwrap_or_else(|| Precision::default_for::<B<IB>>(&device));
+    if !precision.is_supported::<B<IB>>(&device) {
+        return Err(format!("{precision} is not supported on {}", args.backend).into());
+    }
+    if !args.inject_nan_at.is_empty() && !precision.needs_loss_scaling() {
+        return Err(format!(
+            "--inject-nan-at shows the loss scaler skipping steps, and it only scales at f16 \
+             (at {precision} a NaN would reach the weights): add --precision f16"
+        )
+        .into());
+    }
+    // Process-wide, not a guard: with --devices the forward and backward run on burn-train's
+    // worker threads.
+    set_default_precision(Some(precision));
+    B::<IB>::seed(&device, args.seed);
 
     let config = TinyLmConfig::new()
         .with_d_model(args.d_model)
@@ -361,24 +417,36 @@ fn run(args: &Args) -> Result<(), Box<dyn std::error::Error>> {
     let train = ReversalDataset::generate(args.train_size, config.vocab, config.seq_len, args.seed);
     let valid =
         ReversalDataset::generate(args.valid_size, config.vocab, config.seq_len, args.seed + 1);
+    // `Learner` iterations: with N workers, each iteration takes N micro-batches.
     let micro_steps_per_epoch = train.len().div_ceil(args.micro_batch);
     let micro_steps = micro_steps_per_epoch * args.epochs;
-    let optimizer_steps = micro_steps / args.accum;
-    let train_loader = DataLoaderBuilder::<B, _, _>::new(ReversalBatcher)
+    let optimizer_steps = micro_steps / args.devices / args.accum;
+    let batcher = ReversalBatcher {
+        made: Arc::default(),
+        poison: Arc::new(args.inject_nan_at.clone()),
+    };
+    let train_loader = DataLoaderBuilder::<B<IB>, _, _>::new(batcher)
         .batch_size(args.micro_batch)
         .shuffle(args.seed)
         .build(train);
-    let valid_loader =
-        DataLoaderBuilder::<<B as AutodiffBackend>::InnerBackend, _, _>::new(ReversalBatcher)
-            .batch_size(64)
-            .build(valid);
+    let valid_loader = DataLoaderBuilder::<<B<IB> as AutodiffBackend>::InnerBackend, _, _>::new(
+        ReversalBatcher::default(),
+    )
+    .batch_size(64)
+    .build(valid);
 
     let model = Reverser {
-        lm: config.init::<B>(&device),
+        lm: config.init::<B<IB>>(&device),
     };
-    // Adam, stepped once per `accum` micro-batches on their mean.
-    let optim = GradientAccumulation::new(AdamConfig::new().init::<B, Reverser<B>>(), args.accum)?;
-    // The cosine runs over optimizer steps; `Learner` steps it per micro-batch, the wrapper
+    // Adam, stepped once per `accum` micro-batches on their mean; the loss scaling around it
+    // (a pass-through at bf16/f32).
+    let adam = AdamConfig::new().init::<B<IB>, Reverser<B<IB>>>();
+    let optim = AmpOptimizer::new(
+        GradientAccumulation::new(adam, args.accum)?,
+        GradScalerConfig::new(),
+    )?;
+    let monitor = optim.monitor();
+    // The cosine runs over optimizer steps; `Learner` steps it per iteration, the wrapper
     // once per window.
     let cosine = CosineAnnealingLrSchedulerConfig::new(args.lr, optimizer_steps.max(1))
         .with_min_lr(args.lr * 0.05)
@@ -386,36 +454,60 @@ fn run(args: &Args) -> Result<(), Box<dyn std::error::Error>> {
     let scheduler = WindowedLrScheduler::new(cosine, args.accum)?;
 
     eprintln!(
-        "{} epochs × {micro_steps_per_epoch} micro-batches of {} = {micro_steps} Learner \
-         iterations, {optimizer_steps} Adam steps on batches of {} ({})",
+        "{} epochs × {micro_steps_per_epoch} micro-batches of {} on {} worker(s) = {} Learner \
+         iterations, {optimizer_steps} Adam steps on batches of {} ({precision}, {})",
         args.epochs,
         args.micro_batch,
-        args.micro_batch * args.accum,
-        args.precision
+        args.devices,
+        micro_steps / args.devices,
+        args.micro_batch * args.accum * args.devices,
+        args.backend,
     );
     let mut training = SupervisedTraining::new(&args.artifacts, train_loader, valid_loader)
         .metrics((LossMetric::new(), AccuracyMetric::new()))
         .metric_train_numeric(LearningRateMetric::new())
+        .metric_train_numeric(LossScaleMetric::new(&monitor))
+        .metric_train_numeric(SkippedStepsMetric::new(&monitor))
         .with_file_checkpointer(NamedMpkFileRecorder::<FullPrecisionSettings>::new())
         .num_epochs(args.epochs)
         .renderer(LineRenderer::new(args.print_every))
         .summary();
+    if args.devices > 1 {
+        let strategy = if args.sharded {
+            MultiDeviceOptim::OptimSharded
+        } else {
+            MultiDeviceOptim::OptimMainDevice
+        };
+        let devices = vec![device.clone(); args.devices];
+        training =
+            training.with_training_strategy(ExecutionStrategy::multi(devices, strategy).into());
+    }
     if let Some(epoch) = args.resume_epoch {
-        // Restores the model, the accumulation window with Adam's moments, and the windowed
-        // schedule's position.
+        // Restores the model, the scaler, the accumulation window with Adam's moments, and
+        // the windowed schedule's position.
         training = training.checkpoint(epoch);
     }
     let start = Instant::now();
     let result = training.launch(Learner::new(model, optim, scheduler));
     let wall = start.elapsed().as_secs_f64();
+    let scaler = monitor.snapshot();
 
-    // A fresh held-out batch, on the inference model `Learner` returns (`Amp<Flex>`).
+    // A fresh held-out batch, on the inference model `Learner` returns (`Amp<IB>`).
     let (x, y) = ReversalTask::new(config.vocab, config.seq_len, args.seed + 2)
-        .batch::<<B as AutodiffBackend>::InnerBackend>(256, &device);
+        .batch::<<B<IB> as AutodiffBackend>::InnerBackend>(256, &Default::default());
     let accuracy = result.model.lm.accuracy(x, y);
     println!(
-        "{{\"example\":\"learner\",\"backend\":\"flex\",\"precision\":\"{}\",\"epochs\":{},\"micro_batch\":{},\"accum\":{},\"learner_iterations\":{micro_steps},\"optimizer_steps\":{optimizer_steps},\"heldout_accuracy\":{accuracy},\"wall_s\":{wall:.3}}}",
-        args.precision, args.epochs, args.micro_batch, args.accum
+        "{{\"example\":\"learner\",\"backend\":\"{}\",\"precision\":\"{precision}\",\"devices\":{},\"sharded\":{},\"epochs\":{},\"micro_batch\":{},\"accum\":{},\"learner_iterations\":{},\"optimizer_steps\":{},\"skipped_steps\":{},\"loss_scale\":{},\"heldout_accuracy\":{accuracy},\"wall_s\":{wall:.3}}}",
+        args.backend,
+        args.devices,
+        args.sharded,
+        args.epochs,
+        args.micro_batch,
+        args.accum,
+        micro_steps / args.devices,
+        scaler.optimizer_steps,
+        scaler.skipped_steps,
+        scaler.scale,
     );
     Ok(())
 }

@@ -7,9 +7,12 @@
 //!   attention; f32 for exp, log, softmax, reductions and norms; promotion for mixed dtypes).
 //!   The policy is one table: [`backend::policy`].
 //! - [`Precision`] and [`autocast()`]: the per-thread precision, with a scoped override.
-//! - [`GradScaler`](scaler::GradScaler): dynamic loss scaling whose skip and update stay on
-//!   the device; `scaler.step(&mut optim, ..)` is the one call for every optimizer
-//!   ([`scaler::ScaledStep`]).
+//! - [`AmpOptimizer`]: the front door. Wrap any optimizer once; at f16 `backward` scales the
+//!   loss and `step` unscales, checks, skips on inf/NaN and updates the scale on the device; at
+//!   bf16/f32 it passes through. Works in a hand-written loop and under burn-train's `Learner`
+//!   (one or several devices) with the `TrainStep` unchanged ([`amp_optimizer`]).
+//! - [`GradScaler`](scaler::GradScaler): the dynamic loss scaler underneath (PyTorch's state
+//!   machine, the skip and update on the device), for loops that scale by hand.
 //! - [`optim`]: fused AdamW and SGD (one kernel per parameter, no host read per step).
 //! - [`GradientAccumulation`]: any optimizer made to step once per N micro-batches, on
 //!   their mean (f32 sums), loss-scaling aware, resumable mid-window ([`accumulate`]).
@@ -21,9 +24,11 @@
 //! use burn::backend::{Autodiff, Flex};
 //! use burn_amp::{Amp, Precision, autocast};
 //!
-//! type B = Amp<Autodiff<Flex>>; // instead of Autodiff<Flex>; nothing else changes
-//! let _amp = autocast(Precision::Bf16);
-//! // ... build the model on B and train as usual ...
+//! type B = Amp<Autodiff<Flex>>; // instead of Autodiff<Flex>
+//! let _amp = autocast(Precision::F16);
+//! // ... build the model on B, wrap the optimizer once:
+//! // let optim = AmpOptimizer::new(adam, GradScalerConfig::new())?;
+//! // and train as usual (`loss.backward()`, `optim.step(..)`, or burn-train's Learner).
 //! ```
 #![warn(missing_docs)]
 

@@ -34,7 +34,10 @@ use burn::train::{
     ClassificationOutput, ExecutionStrategy, InferenceStep, Learner, MultiDeviceOptim,
     SupervisedTraining, TrainOutput, TrainStep,
 };
-use burn_amp::amp_optimizer::{LossScaleMetric, ScalerMonitor, SkippedStepsMetric};
+use burn_amp::amp_optimizer::{
+    ActivationMemoryMetric, LossScaleMetric, ScalerMonitor, SkippedStepsMetric, StepMemoryMetric,
+};
+use burn_amp::memory::DeviceMemory;
 use burn_amp::optim::FusedAdamWConfig;
 use burn_amp::scaler::{GradScalerConfig, ScaledStep};
 use burn_amp::{
@@ -301,7 +304,9 @@ where
     if let Some(monitor) = &run.monitor {
         training = training
             .metric_train_numeric(LossScaleMetric::new(monitor))
-            .metric_train_numeric(SkippedStepsMetric::new(monitor));
+            .metric_train_numeric(SkippedStepsMetric::new(monitor))
+            .metric_train_numeric(StepMemoryMetric::new(monitor))
+            .metric_train_numeric(ActivationMemoryMetric::new(monitor));
     }
     if let Some(strategy) = run.strategy {
         training = training.with_training_strategy(strategy.into());
@@ -354,21 +359,46 @@ fn mean_tail(series: &[f64], n: usize) -> f64 {
 fn f16_trains_like_f32<IB>(device: IB::Device, name: &str)
 where
     IB: Backend,
-    Amp<Autodiff<IB>>: AutodiffBackend<Device = IB::Device>,
+    Amp<Autodiff<IB>>: AutodiffBackend<Device = IB::Device> + DeviceMemory,
     <Amp<Autodiff<IB>> as AutodiffBackend>::InnerBackend: burn_amp::scaler::ScalerKernels,
 {
     type T<IB> = Amp<Autodiff<IB>>;
     let run = |precision: Precision| {
         let _g = autocast(precision);
-        let optim = wrapped(adam::<T<IB>>());
+        // Memory sampled every 4th iteration (allocator figures on wgpu; none on Flex).
+        let optim = wrapped(adam::<T<IB>>()).track_memory(4);
         let monitor = optim.monitor();
         let mut run = Run::<T<IB>>::new(name, device.clone());
         run.monitor = Some(monitor.clone());
         let outcome = fit(run, optim);
-        (outcome, monitor.snapshot())
+        (outcome, monitor.snapshot(), monitor.step_memory())
     };
-    let (f32_run, f32_scaler) = run(Precision::F32);
-    let (f16_run, f16_scaler) = run(Precision::F16);
+    let (f32_run, f32_scaler, f32_memory) = run(Precision::F32);
+    let (f16_run, f16_scaler, f16_memory) = run(Precision::F16);
+    match (f32_memory, f16_memory) {
+        (Some(m32), Some(m16)) => {
+            let activations = |m: burn_amp::amp_optimizer::StepMemoryFigures| {
+                m.activation_bytes.expect("a second sample") as f64
+            };
+            eprintln!(
+                "{name}: step memory peak f16/f32 {:.3} ({} / {} bytes), activations {:.3}",
+                m16.peak_bytes as f64 / m32.peak_bytes as f64,
+                m16.peak_bytes,
+                m32.peak_bytes,
+                activations(m16) / activations(m32)
+            );
+            assert!(activations(m16) < activations(m32), "{m16:?} vs {m32:?}");
+            let shown = f16_run.metrics.series("Activation Memory (MiB)");
+            assert!(shown.iter().any(|v| v.is_finite() && *v > 0.0), "{shown:?}");
+        }
+        (m32, m16) => {
+            // Flex has no allocator figures: nothing is invented.
+            assert!(
+                m32.is_none() && m16.is_none() && name == "flex",
+                "{name}: {m32:?} {m16:?}"
+            );
+        }
+    }
     let (l32, l16) = (
         f32_run.metrics.series("Loss"),
         f16_run.metrics.series("Loss"),
@@ -545,12 +575,12 @@ fn multi_device(strategy: MultiDeviceOptim, name: &str) {
     let device: burn::tensor::Device<F> = Default::default();
     let optim = wrapped(adam::<F>());
     let monitor = optim.monitor();
-    let mut run = Run::<F>::new(name, device.clone());
+    let mut run = Run::<F>::new(name, device);
     run.epochs = 2;
     run.poison = &[6];
     run.monitor = Some(monitor.clone());
     run.strategy = Some(ExecutionStrategy::multi(
-        vec![device.clone(), device],
+        vec![device, device],
         strategy,
     ));
     let outcome = fit(run, optim);

@@ -42,7 +42,7 @@ use burn_amp::kernels::AmpKernels;
 use burn_amp::memory::{DeviceMemory, MemoryReport, PeakMemory, StepMemory, parameter_bytes};
 use burn_amp::optim::{FusedAdamW, FusedAdamWConfig, ScaledAdaptor};
 use burn_amp::scaler::{GradScalerConfig, GradScalerRecord};
-use burn_amp::{Amp, GradientAccumulation, Precision, autocast, freeze, host_reads};
+use burn_amp::{Amp, AmpOptimizer, GradientAccumulation, Precision, autocast, freeze, host_reads};
 use clap::{Parser, ValueEnum};
 use indicatif::{ProgressBar, ProgressStyle};
 use tiny_lm::{ReversalTask, TinyLm, TinyLmConfig, TinyLmRecord};
@@ -158,8 +158,9 @@ fn main() {
 /// The fused AdamW for TinyLm.
 type AdamW<B> = ScaledAdaptor<FusedAdamW, TinyLm<B>, B>;
 
-/// Gradient accumulation around the fused AdamW (a one-step window at `--accum 1`).
-type Optim<B> = GradientAccumulation<AdamW<B>, B>;
+/// The loss scaling around gradient accumulation around the fused AdamW (a one-step window
+/// at `--accum 1`; the scaling a pass-through at bf16/f32).
+type Optim<B> = AmpOptimizer<GradientAccumulation<AdamW<B>, B>, B>;
 
 /// The fused AdamW's record (its moments and step counts, per parameter).
 type AdamWRecord<B> = <AdamW<B> as Optimizer<TinyLm<B>, B>>::Record;
@@ -171,7 +172,8 @@ struct TrainState<B: Backend, R: Record<B>> {
     model: TinyLmRecord<B>,
     /// The accumulation window (partial sums, position) and the AdamW moments inside it.
     optim: GradientAccumulationRecord<B, R>,
-    scaler: GradScalerRecord,
+    /// `None` when the run never scaled (bf16/f32).
+    scaler: Option<GradScalerRecord>,
     /// Optimizer steps done.
     step: usize,
     /// Sequences drawn from the data generator: its position.
@@ -244,11 +246,11 @@ where
     let config = model_config(args);
     let mut model: TinyLm<B> = config.init::<B>(&device);
     let mut task = ReversalTask::new(config.vocab, config.seq_len, args.seed);
-    let mut scaler = GradScalerConfig::new()
-        .with_growth_interval(200)
-        .init::<B>(&device, precision)?;
     let adamw = FusedAdamWConfig::new().with_weight_decay(0.0).init()?;
-    let mut optim: Optim<B> = GradientAccumulation::new(adamw, accum)?;
+    // The one front door: at f16 `backward` scales the loss and `step` unscales, checks,
+    // skips and updates the scale on the device; at bf16/f32 it passes through.
+    let scaling = GradScalerConfig::new().with_growth_interval(200);
+    let mut optim: Optim<B> = AmpOptimizer::new(GradientAccumulation::new(adamw, accum)?, scaling)?;
     let mut history = HistoryRecord::default();
     let mut start_step = 0;
     let mut samples_drawn = 0u64;
@@ -265,8 +267,14 @@ where
             );
         }
         model = model.load_record(state.model);
-        optim = optim.try_load_record::<TinyLm<B>>(state.optim)?;
-        scaler = scaler.load_record(state.scaler);
+        let window = optim
+            .inner()
+            .clone()
+            .try_load_record::<TinyLm<B>>(state.optim)?;
+        *optim.inner_mut() = window;
+        if let Some(scaler) = state.scaler {
+            optim.load_scaler_record(scaler);
+        }
         start_step = state.step;
         samples_drawn = state.samples_drawn;
         history = state.history;
@@ -315,7 +323,12 @@ where
     if history.scale_steps.is_empty() {
         // The starting scale, so that the plot begins at step 0 (one read, before timing).
         history.scale_steps.push(0);
-        history.scale_values.push(scaler.scale_value());
+        let scale = if precision.needs_loss_scaling() {
+            optim.scale()
+        } else {
+            1.0
+        };
+        history.scale_values.push(scale);
     }
     let reads_before = host_reads();
     let start = Instant::now();
@@ -344,14 +357,14 @@ where
                 // After forward: the saved activations are live.
                 peak.sample::<Mem>(&device);
             }
-            let mut grads =
-                GradientsParams::from_grads(scaler.scale(loss.clone()).backward(), &model);
+            // A plain backward: at f16 the optimizer's installed scale multiplies the loss.
+            let mut grads = GradientsParams::from_grads(loss.clone().backward(), &model);
             if sample_peak {
                 peak.sample::<Mem>(&device);
             }
             if let Some(m) = measure.as_mut() {
                 m.after::<Mem>(&device);
-                let state = optim.inner().state_bytes(&model);
+                let state = optim.inner().inner().state_bytes(&model);
                 let report = m.report::<B, TinyLm<B>>(&model, Some(&grads), state);
                 step_report = Some((report, 0));
             }
@@ -373,12 +386,10 @@ where
                 && let Some((_, sums)) = step_report.as_mut()
             {
                 // The partial sums are largest just before the boundary call.
-                *sums = (*sums).max(optim.buffer_bytes() as u64);
+                *sums = (*sums).max(optim.inner().buffer_bytes() as u64);
             }
-            let (m, report) = scaler.step(&mut optim, args.lr, model, grads)?;
-            scaler.update()?;
-            model = m;
-            if let Some(found_inf) = report.found_inf() {
+            model = optim.try_step(args.lr, model, grads)?;
+            if let Some(found_inf) = optim.last_found_inf() {
                 pending_infs.push((step, found_inf));
             }
         }
@@ -394,14 +405,14 @@ where
             let (losses, skipped) = read_pending(&mut pending_losses, &mut pending_infs);
             history.losses.extend(losses);
             history.skipped.extend(skipped);
-            let scale = if scaler.is_enabled() {
-                let record = scaler.record();
-                if record.floor_overflows >= scaler.config().max_floor_overflows as f32 {
-                    scaler.check()?;
+            let scale = match optim.scaler_record() {
+                Some(record) => {
+                    if record.floor_overflows >= optim.config().max_floor_overflows as f32 {
+                        optim.check()?;
+                    }
+                    record.scale
                 }
-                record.scale
-            } else {
-                1.0
+                None => 1.0, // nothing scaled yet: bf16/f32
             };
             history.scale_steps.push(step + 1);
             history.scale_values.push(scale);
@@ -412,8 +423,8 @@ where
                     let (trainable, frozen) = parameter_bytes::<B, TinyLm<B>>(&model);
                     let state = trainable
                         + frozen
-                        + optim.inner().state_bytes(&model)
-                        + optim.buffer_bytes() as u64;
+                        + optim.inner().inner().state_bytes(&model)
+                        + optim.inner().buffer_bytes() as u64;
                     format!("state {:.2} MiB", mib(state))
                 }
             };
@@ -448,8 +459,8 @@ where
     if let Some(path) = &args.save {
         let state = TrainState {
             model: model.clone().into_record(),
-            optim: Optimizer::<TinyLm<B>, B>::to_record(&optim),
-            scaler: scaler.record(),
+            optim: Optimizer::<TinyLm<B>, B>::to_record(optim.inner()),
+            scaler: optim.scaler_record(),
             step: args.steps,
             samples_drawn,
             micro_batch,
@@ -502,7 +513,11 @@ where
             &history.losses,
             compare.as_ref(),
         )?;
-        plots::scale(&dir.join("scale.svg"), &history, scaler.is_enabled())?;
+        plots::scale(
+            &dir.join("scale.svg"),
+            &history,
+            precision.needs_loss_scaling(),
+        )?;
         if let Some((report, accum_bytes)) = step_report {
             eprint!("{report}");
             plots::memory(&dir.join("memory.svg"), &report, accum_bytes)?;

@@ -1,5 +1,7 @@
 //! The loss scaler in burn-train's dashboard and logs: [`LossScaleMetric`] and
-//! [`SkippedStepsMetric`], numeric metrics like Burn's own `LearningRateMetric`.
+//! [`SkippedStepsMetric`], numeric metrics like Burn's own `LearningRateMetric`; and the
+//! memory of a step ([`StepMemoryMetric`], [`ActivationMemoryMetric`]) where the backend has
+//! allocator figures (CubeCL: wgpu, cuda), sampled on the training thread.
 //!
 //! ```ignore
 //! let optim = AmpOptimizer::new(adam, GradScalerConfig::new())?;
@@ -8,11 +10,18 @@
 //!     .metric_train_numeric(SkippedStepsMetric::new(&optim.monitor()))
 //! ```
 //!
+//! Memory, opt-in with [`AmpOptimizer::track_memory`](super::AmpOptimizer::track_memory): every
+//! `every`-th micro-step, the allocator's bytes in use are read when `backward` starts (the
+//! activations autodiff saved are all live), when the step starts (parameters, gradients,
+//! optimizer state) and after it. Each read waits for the device (CubeCL keeps no peak and
+//! counts per thread, so the training thread must read): sample every few hundred steps.
+//!
 //! The scale and the skip count live on the device. The optimizer makes no host read for
 //! them; the metrics read both in one transfer when the dashboard asks, at most once per
 //! optimizer step (the second metric of an iteration reuses the first's read). That read is
 //! the metrics' cost, like Burn's `LossMetric` reading the loss.
 
+use core::any::Any;
 use std::sync::{Arc, Mutex};
 
 use burn::prelude::*;
@@ -33,11 +42,45 @@ pub struct ScalerSnapshot {
     pub optimizer_steps: u64,
 }
 
+/// The memory of one sampled micro-step, from the allocator.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StepMemoryFigures {
+    /// The highest of the samples: at the start of backward and of the optimizer step.
+    pub peak_bytes: u64,
+    /// What backward found live beyond what the previous sampled step left: the saved
+    /// activations (and the batch). `None` on the first sample.
+    pub activation_bytes: Option<u64>,
+    /// In use after the step: parameters and optimizer state (and accumulation buffers).
+    pub after_step_bytes: u64,
+}
+
 type Reader = Box<dyn Fn() -> (f32, f32) + Send>;
+
+/// Reads the bytes in use on a device (`&B::Device` as `&dyn Any`); `None` without figures.
+pub(crate) type MemoryProbe = Arc<dyn Fn(&dyn Any) -> Option<u64> + Send + Sync>;
+
+/// Where in a micro-step a memory sample is taken.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum SamplePoint {
+    Backward,
+    StepStart,
+    StepEnd,
+}
+
+struct MemoryTracking {
+    probe: MemoryProbe,
+    every: u64,
+    at_backward: Option<u64>,
+    at_step: Option<u64>,
+    after_previous: Option<u64>,
+    last: Option<StepMemoryFigures>,
+}
 
 #[derive(Default)]
 struct MonitorState {
     optimizer_steps: u64,
+    micro_steps: u64,
+    memory: Option<MemoryTracking>,
     /// Reads `(scale, skipped)` from the device: set after each scaled step.
     reader: Option<Reader>,
     /// The last read, and the step count it was made at.
@@ -72,6 +115,7 @@ impl ScalerMonitor {
         device: Option<(Tensor<B, 1>, Tensor<B, 1>)>,
     ) {
         let mut state = self.lock();
+        state.micro_steps += 1;
         if stepped {
             state.optimizer_steps += 1;
         }
@@ -89,6 +133,59 @@ impl ScalerMonitor {
                 )
             }));
         }
+    }
+
+    /// Turns memory sampling on: every `every`-th micro-step (at least 1) through `probe`.
+    pub(crate) fn track_memory(&self, probe: MemoryProbe, every: u64) {
+        self.lock().memory = Some(MemoryTracking {
+            probe,
+            every: every.max(1),
+            at_backward: None,
+            at_step: None,
+            after_previous: None,
+            last: None,
+        });
+    }
+
+    /// Samples the bytes in use at `point` of the current micro-step, if it is a sampled one.
+    pub(crate) fn sample(&self, point: SamplePoint, device: &dyn Any) {
+        let probe = {
+            let state = self.lock();
+            match &state.memory {
+                Some(m) if state.micro_steps.is_multiple_of(m.every) => m.probe.clone(),
+                _ => return,
+            }
+        };
+        // Outside the lock: the read waits for the device.
+        let Some(bytes) = probe(device) else {
+            return;
+        };
+        let mut state = self.lock();
+        let Some(m) = state.memory.as_mut() else {
+            return;
+        };
+        match point {
+            SamplePoint::Backward => m.at_backward = Some(bytes),
+            SamplePoint::StepStart => m.at_step = Some(bytes),
+            SamplePoint::StepEnd => {
+                let (backward, step) = (m.at_backward.take(), m.at_step.take());
+                let peak = backward.into_iter().chain(step).max().unwrap_or(bytes);
+                m.last = Some(StepMemoryFigures {
+                    peak_bytes: peak.max(bytes),
+                    activation_bytes: backward
+                        .zip(m.after_previous)
+                        .map(|(b, before)| b.saturating_sub(before)),
+                    after_step_bytes: bytes,
+                });
+                m.after_previous = Some(bytes);
+            }
+        }
+    }
+
+    /// The memory figures of the last sampled micro-step (`None` before one, without
+    /// [`track_memory`](super::AmpOptimizer::track_memory), or without allocator figures).
+    pub fn step_memory(&self) -> Option<StepMemoryFigures> {
+        self.lock().memory.as_ref().and_then(|m| m.last)
     }
 
     /// The figures now: one read from the device, unless nothing changed since the last.
@@ -113,7 +210,7 @@ impl ScalerMonitor {
 
 /// Defines a numeric burn-train metric that shows one figure of a [`ScalerMonitor`].
 macro_rules! scaler_metric {
-    ($(#[$doc:meta])* $name:ident, $label:literal, $precision:literal, |$s:ident| $value:expr) => {
+    ($(#[$doc:meta])* $name:ident, $label:literal, $precision:literal, |$m:ident| $value:expr) => {
         $(#[$doc])*
         #[derive(Clone)]
         pub struct $name {
@@ -137,7 +234,7 @@ macro_rules! scaler_metric {
             type Input = ();
 
             fn update(&mut self, _item: &(), _metadata: &MetricMetadata) -> SerializedEntry {
-                let $s = self.monitor.snapshot();
+                let $m = &self.monitor;
                 let value: f64 = $value;
                 self.state
                     .update(value, 1, FormatOptions::new(self.name()).precision($precision))
@@ -177,7 +274,7 @@ scaler_metric!(
     LossScaleMetric,
     "Loss Scale",
     0,
-    |s| f64::from(s.scale)
+    |m| f64::from(m.snapshot().scale)
 );
 
 scaler_metric!(
@@ -185,5 +282,31 @@ scaler_metric!(
     SkippedStepsMetric,
     "Skipped Steps",
     0,
-    |s| s.skipped_steps as f64
+    |m| m.snapshot().skipped_steps as f64
+);
+
+fn mib(bytes: u64) -> f64 {
+    bytes as f64 / (1u64 << 20) as f64
+}
+
+scaler_metric!(
+    /// The peak bytes in use of the last sampled micro-step, in MiB (NaN before a sample, or
+    /// without allocator figures). Needs `AmpOptimizer::track_memory`.
+    StepMemoryMetric,
+    "Step Memory Peak (MiB)",
+    1,
+    |m| m.step_memory().map_or(f64::NAN, |f| mib(f.peak_bytes))
+);
+
+scaler_metric!(
+    /// The activations of the last sampled micro-step (what backward found live beyond what
+    /// the previous step left), in MiB. Needs `AmpOptimizer::track_memory`.
+    ActivationMemoryMetric,
+    "Activation Memory (MiB)",
+    1,
+    |m| {
+        m.step_memory()
+            .and_then(|f| f.activation_bytes)
+            .map_or(f64::NAN, mib)
+    }
 );

@@ -52,12 +52,19 @@ use burn::module::{AutodiffModule, ModuleVisitor, Param};
 use burn::optim::{GradientsParams, LearningRate, MultiGradientsParams, Optimizer};
 use burn::prelude::*;
 use burn::tensor::backend::AutodiffBackend;
+use burn::tensor::backend::DeviceOps;
 use thiserror::Error;
 
-pub use metrics::{LossScaleMetric, ScalerMonitor, ScalerSnapshot, SkippedStepsMetric};
+pub use metrics::{
+    ActivationMemoryMetric, LossScaleMetric, ScalerMonitor, ScalerSnapshot, SkippedStepsMetric,
+    StepMemoryFigures, StepMemoryMetric,
+};
+
+use metrics::{MemoryProbe, SamplePoint};
 
 use crate::Precision;
 use crate::grads::{GradList, f32_scalar, primitive};
+use crate::memory::DeviceMemory;
 use crate::scaler::{
     GradScaler, GradScalerConfig, GradScalerRecord, ScaledStep, ScalerError, ScalerKernels,
     StepOutcome,
@@ -105,6 +112,8 @@ where
     loaded: Option<GradScalerRecord>,
     /// Skipped steps so far, f32 `[1]` on the scaler's device (no read to count them).
     skipped: Option<Tensor<B::InnerBackend, 1>>,
+    /// The overflow flag of the last step, when it checked one.
+    last_found_inf: Option<Tensor<B::InnerBackend, 1>>,
     installation: Option<Arc<Installation>>,
     monitor: ScalerMonitor,
 }
@@ -135,12 +144,14 @@ where
         O: Optimizer<M, B>,
     {
         config.validate()?;
+        let monitor = ScalerMonitor::default();
         let installation = if config.enabled {
-            let owner = registry::install::<B>(config.init_scale).map_err(|()| {
-                AmpOptimizerError::AlreadyInstalled {
-                    backend: core::any::type_name::<B>(),
-                }
-            })?;
+            let owner =
+                registry::install::<B>(config.init_scale, monitor.clone()).map_err(|()| {
+                    AmpOptimizerError::AlreadyInstalled {
+                        backend: core::any::type_name::<B>(),
+                    }
+                })?;
             Some(Arc::new(Installation(owner)))
         } else {
             None
@@ -151,14 +162,20 @@ where
             scaler: None,
             loaded: None,
             skipped: None,
+            last_found_inf: None,
             installation,
-            monitor: ScalerMonitor::default(),
+            monitor,
         })
     }
 
     /// The wrapped optimizer.
     pub fn inner(&self) -> &O {
         &self.inner
+    }
+
+    /// The wrapped optimizer, to load its state or tune it between steps.
+    pub fn inner_mut(&mut self) -> &mut O {
+        &mut self.inner
     }
 
     /// The scaler's configuration.
@@ -171,8 +188,9 @@ where
         self.monitor.clone()
     }
 
-    /// The loss scale of the next scaled backward (1 before the first scaled step, or when
-    /// disabled). Reads one value from the device.
+    /// The loss scale the next f16 backward is multiplied by (the configured or loaded one
+    /// before the first scaled step); 1 when the scaler is disabled. Backwards at bf16/f32 are
+    /// not scaled whatever this says. Reads one value from the device.
     pub fn scale(&self) -> f32 {
         match (&self.scaler, &self.loaded) {
             (Some(scaler), _) => scaler.scale_value(),
@@ -197,6 +215,34 @@ where
         self.scaler.as_ref().map_or(Ok(()), GradScaler::check)
     }
 
+    /// Whether the last step's gradients overflowed (so it was skipped), as an f32 `[1]` device
+    /// tensor, 0 or 1: no read. `None` when the last step checked nothing (bf16/f32, or a
+    /// micro-step inside an accumulation window).
+    pub fn last_found_inf(&self) -> Option<Tensor<B::InnerBackend, 1>> {
+        self.last_found_inf.clone()
+    }
+
+    /// Restores the scaler's state (the scale trajectory continues from it); the wrapped
+    /// optimizer's state is loaded separately ([`Optimizer::load_record`] loads both).
+    pub fn load_scaler_record(&mut self, record: GradScalerRecord) {
+        let scale = record.scale;
+        match self.scaler.take() {
+            Some(scaler) => {
+                let scaler = scaler.load_record(record);
+                if let Some(owner) = self.owner() {
+                    registry::publish::<B::InnerBackend>(owner, primitive(scaler.scale_tensor()));
+                }
+                self.scaler = Some(scaler);
+            }
+            None => {
+                self.loaded = Some(record);
+                if let Some(owner) = self.owner() {
+                    registry::reset(owner, scale);
+                }
+            }
+        }
+    }
+
     fn owner(&self) -> Option<u64> {
         self.installation.as_ref().map(|i| i.0)
     }
@@ -219,25 +265,54 @@ where
         &mut self,
         lr: LearningRate,
         module: M,
-        mut grads: GradientsParams,
+        grads: GradientsParams,
     ) -> Result<M, AmpOptimizerError>
     where
         M: AutodiffModule<B>,
         O: ScaledStep<M, B>,
     {
-        let scaled = self.owner().map_or(0, registry::take_scaled_backwards);
         let Some(device) = module_device::<B, M>(&module) else {
             return Ok(module);
         };
+        self.monitor.sample(SamplePoint::StepStart, &device);
+        let (module, stepped, figures) = self.step_on(&device, lr, module, grads)?;
+        self.monitor.sample(SamplePoint::StepEnd, &device);
+        self.monitor.record(stepped, figures);
+        Ok(module)
+    }
+
+    /// The step itself: the module, whether an optimizer step was taken or skipped (not only
+    /// accumulated), and the scaler's state and skip count after a scaled one.
+    #[allow(clippy::type_complexity)]
+    fn step_on<M>(
+        &mut self,
+        device: &B::Device,
+        lr: LearningRate,
+        module: M,
+        mut grads: GradientsParams,
+    ) -> Result<
+        (
+            M,
+            bool,
+            Option<(Tensor<B::InnerBackend, 1>, Tensor<B::InnerBackend, 1>)>,
+        ),
+        AmpOptimizerError,
+    >
+    where
+        M: AutodiffModule<B>,
+        O: ScaledStep<M, B>,
+    {
+        let scaled = self.owner().map_or(0, |owner| {
+            registry::take_scaled_backwards(owner, device.id())
+        });
+        self.last_found_inf = None;
         if scaled == 0 {
             // bf16, f32, or disabled: the wrapped optimizer's own step.
             let list = GradList::take::<B, M>(&module, &mut grads);
             let (module, outcome) = self.inner.step_scaled(lr, module, list, None)?;
-            self.monitor
-                .record::<B::InnerBackend>(matches!(outcome, StepOutcome::Stepped { .. }), None);
-            return Ok(module);
+            return Ok((module, matches!(outcome, StepOutcome::Stepped { .. }), None));
         }
-        let mut scaler = self.take_scaler(&device)?;
+        let mut scaler = self.take_scaler(device)?;
         let stepped = scaler.step(&mut self.inner, lr, module, grads);
         let result =
             stepped.and_then(|(module, report)| scaler.update().map(|()| (module, report)));
@@ -245,6 +320,7 @@ where
         self.scaler = Some(scaler);
         let (module, report) = result?;
         let skipped = self.skipped.take().expect("made with the scaler");
+        self.last_found_inf = report.found_inf();
         let skipped = match report.found_inf() {
             Some(found_inf) => {
                 if let Some(owner) = self.owner() {
@@ -255,9 +331,23 @@ where
             None => skipped, // mid-window: nothing checked, the scale stays
         };
         self.skipped = Some(skipped.clone());
-        self.monitor
-            .record(!report.accumulated(), Some((state, skipped)));
-        Ok(module)
+        Ok((module, !report.accumulated(), Some((state, skipped))))
+    }
+
+    /// Samples the allocator's bytes in use every `every`-th micro-step, for
+    /// [`StepMemoryMetric`] and [`ActivationMemoryMetric`] ([`metrics`]): at the start of
+    /// backward, of the step, and after it. Each sample waits for the device: keep `every`
+    /// in the hundreds for a real run. Backends without allocator figures (Flex) give none.
+    pub fn track_memory(self, every: usize) -> Self
+    where
+        B: DeviceMemory,
+    {
+        let probe: MemoryProbe = Arc::new(|device: &dyn core::any::Any| {
+            let device = device.downcast_ref::<B::Device>()?;
+            B::memory_snapshot(device).map(|s| s.bytes_in_use)
+        });
+        self.monitor.track_memory(probe, every as u64);
+        self
     }
 }
 
@@ -308,25 +398,7 @@ where
     fn load_record(mut self, (inner, scaler): Self::Record) -> Self {
         self.inner = self.inner.load_record(inner);
         if let Some(record) = scaler {
-            let scale = record.scale;
-            match self.scaler.take() {
-                Some(scaler) => {
-                    let scaler = scaler.load_record(record);
-                    if let Some(owner) = self.owner() {
-                        registry::publish::<B::InnerBackend>(
-                            owner,
-                            primitive(scaler.scale_tensor()),
-                        );
-                    }
-                    self.scaler = Some(scaler);
-                }
-                None => {
-                    self.loaded = Some(record);
-                    if let Some(owner) = self.owner() {
-                        registry::reset(owner, scale);
-                    }
-                }
-            }
+            self.load_scaler_record(record);
         }
         self
     }

@@ -20,6 +20,7 @@ use burn_backend::{AutodiffBackend, Backend, DType, DeviceOps, TensorMetadata};
 use burn_std::device::DeviceId;
 use burn_std::{FloatDType, Shape};
 
+use super::metrics::{SamplePoint, ScalerMonitor};
 use crate::{Amp, Precision};
 
 /// One device's copy of the scale and the backwards scaled with it since the last step.
@@ -40,6 +41,8 @@ struct Installation {
     /// each device on its first backward after a step.
     current: Option<Box<dyn Any + Send>>,
     devices: Vec<DeviceScale>,
+    /// Samples memory at the start of backward, when the optimizer tracks it.
+    monitor: ScalerMonitor,
 }
 
 static TABLE: Mutex<Vec<Installation>> = Mutex::new(Vec::new());
@@ -56,7 +59,7 @@ fn table() -> std::sync::MutexGuard<'static, Vec<Installation>> {
 
 /// Installs a scaler for the training backend `T`. `Err(owner)` names the live installation
 /// that already has it.
-pub(crate) fn install<T: 'static>(initial_scale: f32) -> Result<u64, ()> {
+pub(crate) fn install<T: 'static>(initial_scale: f32, monitor: ScalerMonitor) -> Result<u64, ()> {
     let mut table = table();
     if table.iter().any(|i| i.backend == TypeId::of::<T>()) {
         return Err(());
@@ -68,6 +71,7 @@ pub(crate) fn install<T: 'static>(initial_scale: f32) -> Result<u64, ()> {
         initial_scale,
         current: None,
         devices: Vec::new(),
+        monitor,
     });
     INSTALLED.fetch_add(1, Ordering::Release);
     Ok(owner)
@@ -105,9 +109,19 @@ pub(crate) fn reset(owner: u64, initial_scale: f32) {
     });
 }
 
-/// The scaled backwards on every device since the last call; resets the counts.
-pub(crate) fn take_scaled_backwards(owner: u64) -> u64 {
+/// Whether gradients stepped on `device` were scaled: the backwards scaled on `device` since
+/// its last step (a DDP worker, a single device), else, when the device made none (a main
+/// device summing other workers' gradients), those of every device. Resets what it counted.
+pub(crate) fn take_scaled_backwards(owner: u64, device: DeviceId) -> u64 {
     with_installation(owner, |i| {
+        let own = i
+            .devices
+            .iter_mut()
+            .find(|d| d.device == device)
+            .map_or(0, |d| core::mem::take(&mut d.scaled_backwards));
+        if own > 0 {
+            return own;
+        }
         i.devices
             .iter_mut()
             .map(|d| core::mem::take(&mut d.scaled_backwards))
@@ -124,6 +138,14 @@ pub(crate) fn scale_root<AB: AutodiffBackend>(loss: FloatTensor<AB>) -> FloatTen
         return loss;
     }
     let device = AB::float_device(&loss);
+    let monitor = table()
+        .iter()
+        .find(|i| i.backend == TypeId::of::<Amp<AB>>())
+        .map(|i| i.monitor.clone());
+    if let Some(monitor) = monitor {
+        // Outside the table's lock: a sample waits for the device.
+        monitor.sample(SamplePoint::Backward, &device);
+    }
     let mut table = table();
     let Some(installation) = table
         .iter_mut()

@@ -7,6 +7,8 @@
 //! Stack it above autodiff, `Amp<Autodiff<B>>`: the casts are then part of the graph, f32
 //! parameters get f32 gradients, and the activations autodiff saves are in f16/bf16.
 
+#[cfg(feature = "ddp")]
+mod distributed;
 mod host_reads;
 mod macros;
 mod ops;
