@@ -62,8 +62,11 @@ use burn::train::{
     SupervisedTraining, TrainOutput, TrainStep,
 };
 use burn_amp::accumulate::WindowedLrScheduler;
-use burn_amp::amp_optimizer::{LossScaleMetric, SkippedStepsMetric};
+use burn_amp::amp_optimizer::{
+    ActivationMemoryMetric, LossScaleMetric, SkippedStepsMetric, StepMemoryMetric,
+};
 use burn_amp::kernels::AmpKernels;
+use burn_amp::memory::DeviceMemory;
 use burn_amp::scaler::GradScalerConfig;
 use burn_amp::{Amp, AmpOptimizer, GradientAccumulation, Precision, set_default_precision};
 use clap::Parser;
@@ -89,6 +92,10 @@ struct Args {
     /// the loss scaler skipping them (f16 only).
     #[arg(long, value_delimiter = ',')]
     inject_nan_at: Vec<usize>,
+    /// On wgpu, sample the step's memory (allocator figures) every this many iterations for
+    /// the memory metrics; each sample waits for the device.
+    #[arg(long, default_value_t = 32)]
+    memory_every: usize,
     /// Epochs over the training set.
     #[arg(long, default_value_t = 3)]
     epochs: usize,
@@ -387,6 +394,7 @@ fn train<IB>(args: &Args, device: IB::Device) -> Result<(), Box<dyn std::error::
 where
     IB: Backend,
     Amp<IB>: AmpKernels,
+    IB: DeviceMemory,
 {
     type B<IB> = Amp<Autodiff<IB>>;
     if args.micro_batch == 0 || args.accum == 0 || args.devices == 0 {
@@ -441,10 +449,15 @@ where
     // Adam, stepped once per `accum` micro-batches on their mean; the loss scaling around it
     // (a pass-through at bf16/f32).
     let adam = AdamConfig::new().init::<B<IB>, Reverser<B<IB>>>();
-    let optim = AmpOptimizer::new(
+    let mut optim = AmpOptimizer::new(
         GradientAccumulation::new(adam, args.accum)?,
         GradScalerConfig::new(),
     )?;
+    // Allocator figures exist on wgpu (CubeCL), not on Flex.
+    let track_memory = args.backend == "wgpu" && args.memory_every > 0;
+    if track_memory {
+        optim = optim.track_memory(args.memory_every);
+    }
     let monitor = optim.monitor();
     // The cosine runs over optimizer steps; `Learner` steps it per iteration, the wrapper
     // once per window.
@@ -472,6 +485,11 @@ where
         .num_epochs(args.epochs)
         .renderer(LineRenderer::new(args.print_every))
         .summary();
+    if track_memory {
+        training = training
+            .metric_train_numeric(StepMemoryMetric::new(&monitor))
+            .metric_train_numeric(ActivationMemoryMetric::new(&monitor));
+    }
     if args.devices > 1 {
         let strategy = if args.sharded {
             MultiDeviceOptim::OptimSharded
@@ -491,13 +509,14 @@ where
     let result = training.launch(Learner::new(model, optim, scheduler));
     let wall = start.elapsed().as_secs_f64();
     let scaler = monitor.snapshot();
+    let memory = monitor.step_memory();
 
     // A fresh held-out batch, on the inference model `Learner` returns (`Amp<IB>`).
     let (x, y) = ReversalTask::new(config.vocab, config.seq_len, args.seed + 2)
         .batch::<<B<IB> as AutodiffBackend>::InnerBackend>(256, &Default::default());
     let accuracy = result.model.lm.accuracy(x, y);
     println!(
-        "{{\"example\":\"learner\",\"backend\":\"{}\",\"precision\":\"{precision}\",\"devices\":{},\"sharded\":{},\"epochs\":{},\"micro_batch\":{},\"accum\":{},\"learner_iterations\":{},\"optimizer_steps\":{},\"skipped_steps\":{},\"loss_scale\":{},\"heldout_accuracy\":{accuracy},\"wall_s\":{wall:.3}}}",
+        "{{\"example\":\"learner\",\"backend\":\"{}\",\"precision\":\"{precision}\",\"devices\":{},\"sharded\":{},\"epochs\":{},\"micro_batch\":{},\"accum\":{},\"learner_iterations\":{},\"optimizer_steps\":{},\"skipped_steps\":{},\"loss_scale\":{},\"heldout_accuracy\":{accuracy},\"step_peak_bytes\":{},\"activation_bytes\":{},\"wall_s\":{wall:.3}}}",
         args.backend,
         args.devices,
         args.sharded,
@@ -508,6 +527,10 @@ where
         scaler.optimizer_steps,
         scaler.skipped_steps,
         scaler.scale,
+        memory.map_or("null".to_string(), |m| m.peak_bytes.to_string()),
+        memory
+            .and_then(|m| m.activation_bytes)
+            .map_or("null".to_string(), |b| b.to_string()),
     );
     Ok(())
 }

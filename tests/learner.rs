@@ -579,10 +579,7 @@ fn multi_device(strategy: MultiDeviceOptim, name: &str) {
     run.epochs = 2;
     run.poison = &[6];
     run.monitor = Some(monitor.clone());
-    run.strategy = Some(ExecutionStrategy::multi(
-        vec![device, device],
-        strategy,
-    ));
+    run.strategy = Some(ExecutionStrategy::multi(vec![device, device], strategy));
     let outcome = fit(run, optim);
     set_default_precision(previous);
     let snapshot = monitor.snapshot();
