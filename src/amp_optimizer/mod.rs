@@ -15,10 +15,11 @@
 //!
 //! ## What happens, per precision
 //! - **f16**: while the optimizer lives, `Amp<B>`'s `backward` multiplies the loss (in f32)
-//!   by the current scale of its device (see [`registry`]). `step` divides the gradients by
-//!   it, checks them for inf/NaN and steps or skips on the device (no host read with
-//!   burn-amp's fused optimizers, one with Burn's own: [`ScaledStep`]), then updates the scale
-//!   on the device and hands it to the next backward of every device.
+//!   by the current scale of its device (kept per backend type and device, `registry.rs`).
+//!   `step` divides the gradients by it, checks them for inf/NaN and steps or skips on the
+//!   device (no host read with burn-amp's fused optimizers, one with Burn's own:
+//!   [`ScaledStep`]), then updates the scale on the device and hands it to the next backward
+//!   of every device.
 //! - **bf16, f32** (or a `GradScalerConfig` with `enabled = false`): no backward is scaled,
 //!   and `step` is the wrapped optimizer's step. One program serves every precision.
 //!
@@ -137,7 +138,7 @@ where
     B::InnerBackend: ScalerKernels,
 {
     /// Wraps `optimizer` (any Burn optimizer; burn-amp's fused ones make no host read per
-    /// step) and installs the loss scaling of `backward` on `B` (see [`registry`]).
+    /// step) and installs the loss scaling of `backward` on `B` (the module docs say how).
     pub fn new<M>(optimizer: O, config: GradScalerConfig) -> Result<Self, AmpOptimizerError>
     where
         M: AutodiffModule<B>,
