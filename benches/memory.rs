@@ -161,10 +161,10 @@ fn main() {
             mib(r.frozen_parameters),
             mib(r.gradients),
             mib(r.optimizer_state),
-            mib(r.activations),
-            mib(r.peak_in_use),
-            ratio(r.peak_in_use, base.peak_in_use),
-            ratio(r.activations, base.activations),
+            mib(r.activations.unwrap_or(0)),
+            mib(r.peak_in_use.unwrap_or(0)),
+            ratio(r.peak_in_use.unwrap_or(0), base.peak_in_use.unwrap_or(0)),
+            ratio(r.activations.unwrap_or(0), base.activations.unwrap_or(0)),
         );
         json.push(format!(
             "{{\"config\":\"{name}\",\"report\":{}}}",
@@ -185,8 +185,13 @@ fn serde_json_line(r: &MemoryReport) -> String {
         r.frozen_parameters,
         r.gradients,
         r.optimizer_state,
-        r.activations,
-        r.peak_in_use,
-        r.reserve_and_fragmentation
+        json_opt(r.activations),
+        json_opt(r.peak_in_use),
+        json_opt(r.reserve_and_fragmentation)
     )
+}
+
+/// A measured figure, `null` where nothing measured it.
+fn json_opt(v: Option<u64>) -> String {
+    v.map_or("null".into(), |v| v.to_string())
 }

@@ -2,7 +2,7 @@
 //! a memory budget (`--target-batch auto`).
 
 use burn::tensor::backend::AutodiffBackend;
-use burn_amp::memory::{DeviceMemory, MemoryGuard, find_micro_batch};
+use burn_amp::memory::{DeviceMemory, MemoryGuard, budget_from_free, find_micro_batch};
 use burn_amp::{Precision, autocast};
 
 use super::tiny_lm::{ReversalTask, TinyLm};
@@ -53,19 +53,27 @@ where
     Mem: DeviceMemory<Device = B::Device>,
 {
     let target = args.batch.unwrap_or(64);
-    let budget = args.memory_budget.ok_or(
-        "--target-batch auto needs --memory-budget MIB: CubeCL reports no free-memory figure",
-    )?;
+    // The budget: given, or the device's free memory less a margin (CUDA's driver reports
+    // it; wgpu and the CPU do not).
+    let budget = match args.memory_budget {
+        Some(mib) => (mib * 1048576.0) as u64,
+        None => budget_from_free(Mem::free_memory(device)).ok_or(
+            "--target-batch auto needs --memory-budget MIB on this backend: only CUDA reports \
+             its free memory (wgpu and the CPU do not)",
+        )?,
+    };
     if Mem::memory_snapshot(device).is_none() {
         return Err(
-            "--target-batch auto needs allocator figures: use --backend wgpu or cuda".into(),
+            "--target-batch auto needs memory figures: a CubeCL backend (wgpu, cuda), \
+                    or Flex with burn_amp::memory::CountingAlloc installed"
+                .into(),
         );
     }
     let _amp = autocast(precision);
     let config = model_config(args);
     let model: TinyLm<B> = config.init::<B>(device);
     let mut task = ReversalTask::new(config.vocab, config.seq_len, args.seed ^ 0xA5);
-    let mut guard = MemoryGuard::new(Some((budget * 1048576.0) as u64));
+    let mut guard = MemoryGuard::new(Some(budget));
     let plan = find_micro_batch(target, |b| {
         let model = model.clone();
         let (x, y) = task.batch::<B>(b, device);
@@ -84,10 +92,11 @@ where
     let accum = plan.micro_batches;
     let micro = target.div_ceil(accum);
     eprintln!(
-        "--target-batch auto: largest fitting micro-batch {} (forward+backward peak {:.1} of {budget} MiB); \
+        "--target-batch auto: largest fitting micro-batch {} (forward+backward peak {:.1} of {:.1} MiB); \
          training {micro} x {accum} = {} (target {target})",
         plan.micro_batch,
         plan.peak_bytes.unwrap_or(0) as f64 / 1048576.0,
+        budget as f64 / 1048576.0,
         micro * accum
     );
     Ok((micro, accum))

@@ -15,6 +15,10 @@
 //! A progress bar on stderr (when it is a terminal), then a short table and one JSON line on
 //! stdout.
 
+/// Exact memory figures on Flex: the heap, counted (CubeCL backends have their allocator's).
+#[global_allocator]
+static ALLOC: burn_amp::memory::CountingAlloc = burn_amp::memory::CountingAlloc::new();
+
 // The shared model: each example uses part of its methods.
 #[allow(dead_code)]
 #[path = "../../tests/common/tiny_lm.rs"]
@@ -109,13 +113,13 @@ struct Args {
     #[arg(long, requires = "plot")]
     compare: Option<PathBuf>,
     /// `auto`: pick the largest micro-batch whose training step fits --memory-budget, and
-    /// accumulate to reach --batch (rounded up to whole micro-batches). Needs allocator
-    /// figures (wgpu, cuda).
+    /// accumulate to reach --batch (rounded up to whole micro-batches). Needs memory figures
+    /// (wgpu, cuda; Flex through the counting allocator this example installs).
     #[arg(long)]
     target_batch: Option<String>,
-    /// Memory budget in MiB for --target-batch auto (CubeCL exposes no free-memory figure).
-    /// It bounds a micro-batch's forward+backward; optimizer state and accumulation sums
-    /// come on top.
+    /// Memory budget in MiB for --target-batch auto [default on CUDA: the free memory less a
+    /// margin; required elsewhere]. It bounds a micro-batch's forward+backward; optimizer
+    /// state and accumulation sums come on top.
     #[arg(long)]
     memory_budget: Option<f64>,
 }
@@ -344,7 +348,7 @@ where
             let mut measure =
                 (args.plot.is_some() && step == measure_at && micro == 0).then(|| {
                     // Memory before the step: parameters, optimizer state, partial sums.
-                    StepMemory::begin::<Mem>(&device)
+                    StepMemory::begin::<Mem>(&device).with_micro_batch(micro_batch)
                 });
             let sample_peak = read_now && micro + 1 == accum;
             let (x, y) = task.batch::<B>(micro_batch, &device);

@@ -177,13 +177,20 @@ pub fn memory(path: &Path, report: &MemoryReport, accum_bytes: u64) -> Result<()
         ("gradients", report.gradients),
         ("optimizer state", report.optimizer_state),
         ("accum. sums", accum_bytes),
-        ("activations", report.activations),
-        ("reserve + frag.", report.reserve_and_fragmentation),
+        ("activations", report.activations.unwrap_or(0)),
+        (
+            "workspace / temp.",
+            report.unexplained().map_or(0, |b| b.max(0) as u64),
+        ),
+        (
+            "reserve + frag.",
+            report.reserve_and_fragmentation.unwrap_or(0),
+        ),
     ];
     let source = match report.source {
-        Some(MemorySource::Allocator) => "allocator",
-        Some(MemorySource::Estimate) => "estimate",
-        None => "tensor sizes; no allocator: activations not measured",
+        Some(MemorySource::Allocator) => "device allocator",
+        Some(MemorySource::CountingAllocator) => "process heap, counted",
+        None => "tensor sizes; nothing measured the activations",
     };
     let top = bars.iter().map(|b| mib(b.1)).fold(0.0, f64::max).max(1e-3) * 1.2;
     let root = SVGBackend::new(path, SIZE).into_drawing_area();

@@ -16,6 +16,9 @@
 //! optimizer state) and after it. Each read waits for the device (CubeCL keeps no peak and
 //! counts per thread, so the training thread must read): sample every few hundred steps.
 //!
+//! burn-train updates metrics on a thread of its own, after the training loop handed it the
+//! item: a metric shows the scaler as it is then, which may be a step or two past that item.
+//!
 //! The scale and the skip count live on the device. The optimizer makes no host read for
 //! them; the metrics read both in one transfer when the dashboard asks, at most once per
 //! optimizer step (the second metric of an iteration reuses the first's read). That read is

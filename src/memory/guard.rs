@@ -34,8 +34,8 @@ pub struct OutOfMemory {
     pub report: Option<MemoryReport>,
     /// The category using the most memory.
     pub dominant: &'static str,
-    /// The switches that would help, in order of expected saving.
-    pub advice: Vec<&'static str>,
+    /// The switches that would help, largest saving first, each with its estimated saving.
+    pub advice: Vec<String>,
 }
 
 /// A guarded step that failed.
@@ -85,6 +85,15 @@ fn panic_message(e: &(dyn core::any::Any + Send)) -> String {
         .unwrap_or_else(|| "a panic without message".into())
 }
 
+/// The budget to use when none is given: the device's free memory less a margin (a tenth,
+/// at least 256 MiB: the allocator's padding, the driver, other processes starting); `None`
+/// where the free memory is unknown (wgpu, Flex).
+pub fn budget_from_free(free: Option<super::FreeMemory>) -> Option<u64> {
+    let free = free?.free;
+    let margin = (free / 10).max(256 << 20);
+    Some(free.saturating_sub(margin))
+}
+
 impl MemoryGuard {
     /// A guard; `budget` caps the peak bytes in use of a step (a cap lets CPU machines,
     /// which have no real limit, test the out-of-memory path).
@@ -93,6 +102,17 @@ impl MemoryGuard {
             budget,
             ..Self::default()
         }
+    }
+
+    /// A guard for `device`: `budget`, or else the device's free memory less a margin
+    /// ([`budget_from_free`], CUDA), or else no budget (allocation failures are still caught).
+    pub fn for_device<B: DeviceMemory>(device: &B::Device, budget: Option<u64>) -> Self {
+        Self::new(budget.or_else(|| budget_from_free(B::free_memory(device))))
+    }
+
+    /// The budget in force.
+    pub fn budget(&self) -> Option<u64> {
+        self.budget
     }
 
     /// The last report of a successful step, attached to later errors.
@@ -107,14 +127,13 @@ impl MemoryGuard {
 
     fn oom(&self, cause: String, needed: Option<u64>) -> OutOfMemory {
         let report = self.report.unwrap_or_default();
-        let (dominant, advice) = report.advice();
         OutOfMemory {
             cause,
             needed,
             budget: self.budget,
             report: self.report,
-            dominant,
-            advice: advice.to_vec(),
+            dominant: report.largest().0,
+            advice: report.advice().iter().map(ToString::to_string).collect(),
         }
     }
 

@@ -8,19 +8,21 @@
 use burn_backend::Backend;
 use serde::{Deserialize, Serialize};
 
-/// Where a figure comes from.
+/// Where the measured figures (activations, peak) come from. Parameters, gradients and
+/// optimizer state are always exact: they are counted from the tensors' sizes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub enum MemorySource {
-    /// Read from the backend's allocator (CubeCL: wgpu, cuda).
+    /// The device allocator's counters (CubeCL: wgpu, cuda), sampled at the step's phases.
     Allocator,
-    /// The backend exposes no allocator (Flex, ndarray): activations and peak estimated
-    /// from the process resident memory; parameters, gradients and state stay exact.
-    Estimate,
+    /// The process heap, counted by [`CountingAlloc`] (Flex): exact, with a true peak.
+    CountingAllocator,
 }
 
 /// Device memory at one moment.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct MemorySnapshot {
+    /// Where the figures come from.
+    pub source: MemorySource,
     /// Bytes held by live tensors.
     pub bytes_in_use: u64,
     /// Bytes the allocator holds from the driver (in use, padding and cached pages).
@@ -41,6 +43,24 @@ pub trait DeviceMemory: Backend {
         None
     }
 
+    /// The highest bytes in use since [`reset_peak`](Self::reset_peak), where the backend
+    /// keeps one (Flex with [`CountingAlloc`]); CubeCL keeps none: sample instead.
+    fn peak_in_use(device: &Self::Device) -> Option<u64> {
+        let _ = device;
+        None
+    }
+
+    /// Starts a new peak (see [`peak_in_use`](Self::peak_in_use)).
+    fn reset_peak(device: &Self::Device) {
+        let _ = device;
+    }
+
+    /// Free and total device memory, from the driver (CUDA); `None` where unknown.
+    fn free_memory(device: &Self::Device) -> Option<FreeMemory> {
+        let _ = device;
+        None
+    }
+
     /// Returns cached, unused pages to the driver (PyTorch's `empty_cache`). Live tensors
     /// keep their memory: this does not make a model fit.
     fn empty_cache(device: &Self::Device) {
@@ -48,7 +68,47 @@ pub trait DeviceMemory: Backend {
     }
 }
 
-impl DeviceMemory for burn::backend::Flex {}
+/// Free and total memory of a device, as its driver reports them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FreeMemory {
+    /// Bytes free now (other processes' use excluded).
+    pub free: u64,
+    /// Bytes on the device.
+    pub total: u64,
+}
+
+/// Free and total memory of CUDA device `index`, from the driver (`cuMemGetInfo`).
+#[cfg(feature = "cuda")]
+fn cuda_free_memory(index: usize) -> Option<FreeMemory> {
+    // The device's primary context: the one CubeCL runs on, so binding it changes nothing.
+    let context = cudarc::driver::CudaContext::new(index).ok()?;
+    let (free, total) = context.mem_get_info().ok()?;
+    Some(FreeMemory {
+        free: free as u64,
+        total: total as u64,
+    })
+}
+
+/// Flex allocates from the process heap: its figures are [`CountingAlloc`]'s, when installed.
+impl DeviceMemory for burn::backend::Flex {
+    fn memory_snapshot(_device: &Self::Device) -> Option<MemorySnapshot> {
+        let bytes_in_use = CountingAlloc::bytes_in_use()?;
+        Some(MemorySnapshot {
+            source: MemorySource::CountingAllocator,
+            bytes_in_use,
+            bytes_reserved: bytes_in_use,
+            allocations: CountingAlloc::allocations().unwrap_or(0),
+        })
+    }
+
+    fn peak_in_use(_device: &Self::Device) -> Option<u64> {
+        CountingAlloc::peak()
+    }
+
+    fn reset_peak(_device: &Self::Device) {
+        CountingAlloc::reset_peak()
+    }
+}
 
 impl<R, F, I, BT> DeviceMemory for burn_cubecl::CubeBackend<R, F, I, BT>
 where
@@ -57,9 +117,21 @@ where
     I: burn_cubecl::IntElement,
     BT: burn_cubecl::BoolElement,
 {
+    fn free_memory(device: &Self::Device) -> Option<FreeMemory> {
+        #[cfg(feature = "cuda")]
+        if let Some(cuda) = (device as &dyn core::any::Any).downcast_ref::<burn_cuda::CudaDevice>()
+        {
+            return cuda_free_memory(cuda.index);
+        }
+        // wgpu reports no free memory (nor does CubeCL 0.10 for any runtime).
+        let _ = device;
+        None
+    }
+
     fn memory_snapshot(device: &Self::Device) -> Option<MemorySnapshot> {
         let usage = R::client(device).memory_usage().ok()?;
         Some(MemorySnapshot {
+            source: MemorySource::Allocator,
             bytes_in_use: usage.bytes_in_use,
             bytes_reserved: usage.bytes_reserved,
             allocations: usage.number_allocs,
@@ -73,23 +145,44 @@ impl<B: burn_fusion::FusionBackend + DeviceMemory> DeviceMemory for burn_fusion:
         Self::sync(device).ok()?;
         B::memory_snapshot(device)
     }
+
+    fn free_memory(device: &Self::Device) -> Option<FreeMemory> {
+        B::free_memory(device)
+    }
 }
 
-impl<B, C> DeviceMemory for burn::backend::Autodiff<B, C>
-where
+/// `DeviceMemory` for a decorator backend whose device is its inner `B`'s: every figure is
+/// `B`'s.
+macro_rules! forward_device_memory {
+    (impl<$($g:ident),*> for $ty:ty where $($bounds:tt)*) => {
+        impl<$($g),*> DeviceMemory for $ty
+        where
+            $($bounds)*
+        {
+            fn memory_snapshot(device: &Self::Device) -> Option<MemorySnapshot> {
+                B::memory_snapshot(device)
+            }
+
+            fn peak_in_use(device: &Self::Device) -> Option<u64> {
+                B::peak_in_use(device)
+            }
+
+            fn reset_peak(device: &Self::Device) {
+                B::reset_peak(device)
+            }
+
+            fn free_memory(device: &Self::Device) -> Option<FreeMemory> {
+                B::free_memory(device)
+            }
+        }
+    };
+}
+
+forward_device_memory!(impl<B, C> for burn::backend::Autodiff<B, C> where
     B: DeviceMemory,
     C: burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy,
-{
-    fn memory_snapshot(device: &Self::Device) -> Option<MemorySnapshot> {
-        B::memory_snapshot(device)
-    }
-}
-
-impl<B: DeviceMemory> DeviceMemory for crate::Amp<B> {
-    fn memory_snapshot(device: &Self::Device) -> Option<MemorySnapshot> {
-        B::memory_snapshot(device)
-    }
-}
+);
+forward_device_memory!(impl<B> for crate::Amp<B> where B: DeviceMemory,);
 
 /// The highest `bytes_in_use` seen across samples: CubeCL keeps no peak, so sample at the
 /// points where memory is highest (after forward, after backward).
@@ -104,11 +197,16 @@ pub struct PeakMemory {
 }
 
 impl PeakMemory {
-    /// Samples `device`; returns the in-use bytes, or `None` without allocator figures.
+    /// Samples `device`; returns the in-use bytes, or `None` without figures. Where the
+    /// backend keeps a true peak (Flex with [`CountingAlloc`]) it counts too.
     pub fn sample<B: DeviceMemory>(&mut self, device: &B::Device) -> Option<u64> {
         let now = B::memory_snapshot(device)?.bytes_in_use;
-        self.baseline.get_or_insert(now);
-        self.peak = self.peak.max(now);
+        if self.baseline.is_none() {
+            self.baseline = Some(now);
+            B::reset_peak(device);
+        }
+        let kept = B::peak_in_use(device).unwrap_or(0);
+        self.peak = self.peak.max(now).max(kept);
         self.last = now;
         Some(now)
     }
@@ -149,197 +247,14 @@ pub fn parameter_bytes<B: Backend, M: burn::module::Module<B>>(module: &M) -> (u
 
 pub use crate::grads::gradient_bytes;
 
-/// Where the memory of one training step goes.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
-pub struct MemoryReport {
-    /// Trainable parameters (exact).
-    pub parameters: u64,
-    /// Frozen parameters (exact).
-    pub frozen_parameters: u64,
-    /// Gradients of the step (exact).
-    pub gradients: u64,
-    /// Optimizer state (exact where the optimizer says, else measured).
-    pub optimizer_state: u64,
-    /// What autodiff saved for backward: in use after forward minus before it (measured).
-    pub activations: u64,
-    /// The highest in-use figure sampled during the step.
-    pub peak_in_use: u64,
-    /// The allocator's reserve beyond what is in use: padding, cached pages, fragmentation.
-    pub reserve_and_fragmentation: u64,
-    /// Allocator figures, or estimates from tensor sizes.
-    pub source: Option<MemorySource>,
-}
-
-impl MemoryReport {
-    /// The category that uses the most, and the switches that would shrink it, in order of
-    /// expected saving.
-    pub fn advice(&self) -> (&'static str, &'static [&'static str]) {
-        let categories = [
-            ("activations", self.activations),
-            ("parameters", self.parameters + self.frozen_parameters),
-            ("gradients", self.gradients),
-            ("optimizer state", self.optimizer_state),
-        ];
-        let (name, _) = categories
-            .into_iter()
-            .max_by_key(|(_, b)| *b)
-            .unwrap_or(("activations", 0));
-        let switches: &'static [&'static str] = match name {
-            "activations" => &[
-                "autocast: Precision::Bf16 or F16 halves saved activations",
-                "a smaller micro-batch with gradient accumulation",
-                "activation checkpointing (Autodiff<B, BalancedCheckpointing>)",
-            ],
-            "optimizer state" => &[
-                "freeze the parts that need no training (no grads, no state)",
-                "SGD with momentum keeps 1 buffer per parameter, Adam 2",
-            ],
-            "gradients" => &[
-                "freeze the parts that need no training",
-                "Precision::Bf16 or F16 for the activations' share of the step",
-            ],
-            _ if self.frozen_parameters > self.parameters => &[
-                "store the frozen parts in bf16/f16 (Frozen::with_storage: half the bytes)",
-                "a smaller model",
-            ],
-            _ => &[
-                "freeze a backbone and store it in bf16 (half the bytes)",
-                "a smaller model",
-            ],
-        };
-        (name, switches)
-    }
-}
-
-fn mib(b: u64) -> String {
-    format!("{:>10.2} MiB", b as f64 / 1048576.0)
-}
-
-impl core::fmt::Display for MemoryReport {
-    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
-        let source = match self.source {
-            Some(MemorySource::Allocator) => "allocator",
-            Some(MemorySource::Estimate) => {
-                "activations and peak: an estimate from the process resident memory"
-            }
-            None => "tensor sizes only",
-        };
-        writeln!(f, "memory of one training step ({source})")?;
-        writeln!(f, "  parameters         {}", mib(self.parameters))?;
-        writeln!(f, "  frozen parameters  {}", mib(self.frozen_parameters))?;
-        writeln!(f, "  gradients          {}", mib(self.gradients))?;
-        writeln!(f, "  optimizer state    {}", mib(self.optimizer_state))?;
-        writeln!(f, "  activations        {}", mib(self.activations))?;
-        writeln!(
-            f,
-            "  reserve + frag.    {}",
-            mib(self.reserve_and_fragmentation)
-        )?;
-        writeln!(f, "  peak in use        {}", mib(self.peak_in_use))?;
-        let (name, switches) = self.advice();
-        writeln!(f, "  largest: {name}; to shrink it:")?;
-        for s in switches {
-            writeln!(f, "    - {s}")?;
-        }
-        Ok(())
-    }
-}
-
-/// Samples the allocator around the phases of one training step and builds its
-/// [`MemoryReport`]: activations as the growth over forward, parameters and gradients
-/// from the tensors' own sizes.
-#[derive(Debug, Clone, Copy, Default)]
-pub struct StepMemory {
-    before: Option<MemorySnapshot>,
-    after_forward: Option<MemorySnapshot>,
-    peak: PeakMemory,
-    reserved: u64,
-    source: Option<MemorySource>,
-}
-
-/// The process's resident memory (Linux), the estimate used where the backend has no
-/// allocator counters: it also counts whatever else the process holds, and freed memory
-/// the system allocator keeps.
-fn resident_bytes() -> Option<u64> {
-    let statm = std::fs::read_to_string("/proc/self/statm").ok()?;
-    let pages: u64 = statm.split_whitespace().nth(1)?.parse().ok()?;
-    Some(pages * 4096)
-}
-
-impl StepMemory {
-    fn sample<B: DeviceMemory>(&mut self, device: &B::Device) -> Option<MemorySnapshot> {
-        let snapshot = match B::memory_snapshot(device) {
-            Some(snapshot) => {
-                self.peak.sample::<B>(device);
-                self.source = Some(MemorySource::Allocator);
-                snapshot
-            }
-            None => {
-                // No allocator figures (Flex, ndarray): the resident set, labelled an estimate.
-                let rss = resident_bytes()?;
-                self.source = Some(MemorySource::Estimate);
-                self.peak.peak = self.peak.peak.max(rss);
-                self.peak.baseline.get_or_insert(rss);
-                MemorySnapshot {
-                    bytes_in_use: rss,
-                    bytes_reserved: rss,
-                    allocations: 0,
-                }
-            }
-        };
-        self.reserved = self.reserved.max(snapshot.bytes_reserved);
-        Some(snapshot)
-    }
-
-    /// Before the forward pass.
-    pub fn begin<B: DeviceMemory>(device: &B::Device) -> Self {
-        let mut this = Self::default();
-        this.before = this.sample::<B>(device);
-        this
-    }
-
-    /// After the forward pass, before backward: the saved activations are live.
-    pub fn after_forward<B: DeviceMemory>(&mut self, device: &B::Device) {
-        self.after_forward = self.sample::<B>(device);
-    }
-
-    /// After backward (gradients live) or after the optimizer step.
-    pub fn after<B: DeviceMemory>(&mut self, device: &B::Device) {
-        self.sample::<B>(device);
-    }
-
-    /// The report. `optimizer_state` is the optimizer's state in bytes, where known.
-    pub fn report<B, M>(
-        &self,
-        module: &M,
-        grads: Option<&burn::optim::GradientsParams>,
-        optimizer_state: u64,
-    ) -> MemoryReport
-    where
-        B: burn::tensor::backend::AutodiffBackend,
-        M: burn::module::AutodiffModule<B>,
-    {
-        let (parameters, frozen_parameters) = parameter_bytes::<B, M>(module);
-        let gradients = grads.map_or(0, |g| gradient_bytes::<B, M>(module, g));
-        let activations = match (self.before, self.after_forward) {
-            (Some(b), Some(f)) => f.bytes_in_use.saturating_sub(b.bytes_in_use),
-            _ => 0,
-        };
-        MemoryReport {
-            parameters,
-            frozen_parameters,
-            gradients,
-            optimizer_state,
-            activations,
-            peak_in_use: self.peak.peak,
-            reserve_and_fragmentation: self.reserved.saturating_sub(self.peak.peak),
-            source: self.source,
-        }
-    }
-}
-
+mod counting;
 mod finder;
 mod guard;
+mod report;
+mod step;
 
+pub use counting::CountingAlloc;
 pub use finder::{BatchPlan, FinderError, find_micro_batch};
-pub use guard::{GuardError, MemoryGuard, OutOfMemory};
+pub use guard::{GuardError, MemoryGuard, OutOfMemory, budget_from_free};
+pub use report::{Advice, MemoryReport, StepSettings};
+pub use step::StepMemory;

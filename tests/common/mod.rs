@@ -3,6 +3,7 @@
 #![allow(dead_code)]
 
 pub mod harness;
+pub mod memory;
 pub mod models;
 pub mod policy_ops;
 pub mod tiny_lm;
