@@ -171,10 +171,52 @@ fn main() {
             serde_json_line(r)
         ));
     }
+    let (system_ns, counting_ns) = allocator_cost(if quick { 200_000 } else { 2_000_000 });
+    println!();
+    println!("| allocator, one 4 KiB alloc + free | ns | / System |");
+    println!("|---|---|---|");
+    println!("| System | {system_ns:.1} | 1.000 |");
+    println!(
+        "| CountingAlloc | {counting_ns:.1} | {:.3} |",
+        counting_ns / system_ns
+    );
     report::emit(&format!(
-        "{{\"bench\":\"memory\",\"rows\":[{}]}}",
-        json.join(",")
+        "{{\"bench\":\"memory\",\"rows\":[{}],\"alloc_ns_system\":{system_ns:.2},\"alloc_ns_counting\":{counting_ns:.2},\"counting_overhead\":{:.4}}}",
+        json.join(","),
+        counting_ns / system_ns
     ));
+}
+
+/// Nanoseconds per 4 KiB allocation and free through `System` and through `CountingAlloc`
+/// (called directly, side by side, alternating, median of 7 rounds): the counting
+/// allocator's cost where a binary installs it.
+fn allocator_cost(n: usize) -> (f64, f64) {
+    use std::alloc::{GlobalAlloc, Layout, System};
+    use std::time::Instant;
+    fn time<A: GlobalAlloc>(alloc: &A, n: usize) -> f64 {
+        let layout = Layout::from_size_align(4096, 16).unwrap();
+        let start = Instant::now();
+        for _ in 0..n {
+            // SAFETY: a valid layout; the block is freed with the same layout.
+            unsafe {
+                let p = alloc.alloc(layout);
+                std::hint::black_box(p);
+                alloc.dealloc(p, layout);
+            }
+        }
+        start.elapsed().as_nanos() as f64 / n as f64
+    }
+    let counting = burn_amp::memory::CountingAlloc::new();
+    let (mut a, mut b) = (Vec::new(), Vec::new());
+    for _ in 0..7 {
+        a.push(time(&System, n));
+        b.push(time(&counting, n));
+    }
+    let median = |mut v: Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    (median(a), median(b))
 }
 
 /// The report as JSON (its serde form, written by hand to keep the bench dependency-free).
