@@ -49,7 +49,7 @@ pub(crate) mod registry;
 
 use std::sync::Arc;
 
-use burn::module::{AutodiffModule, ModuleVisitor, Param};
+use burn::module::AutodiffModule;
 use burn::optim::{GradientsParams, LearningRate, MultiGradientsParams, Optimizer};
 use burn::prelude::*;
 use burn::tensor::backend::AutodiffBackend;
@@ -272,7 +272,8 @@ where
         M: AutodiffModule<B>,
         O: ScaledStep<M, B>,
     {
-        let Some(device) = module_device::<B, M>(&module) else {
+        // The device of the module's first parameter: where the scaler lives.
+        let Some(device) = module.devices().into_iter().next() else {
             return Ok(module);
         };
         self.monitor.sample(SamplePoint::StepStart, &device);
@@ -350,21 +351,6 @@ where
         self.monitor.track_memory(probe, every as u64);
         self
     }
-}
-
-/// The device of `module`'s first float parameter (`None` without parameters).
-fn module_device<B: AutodiffBackend, M: AutodiffModule<B>>(module: &M) -> Option<B::Device> {
-    struct First<B: Backend>(Option<B::Device>);
-    impl<B: Backend> ModuleVisitor<B> for First<B> {
-        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
-            if self.0.is_none() {
-                self.0 = Some(param.val().device());
-            }
-        }
-    }
-    let mut first = First::<B>(None);
-    module.visit(&mut first);
-    first.0
 }
 
 impl<M, B, O> Optimizer<M, B> for AmpOptimizer<O, B>

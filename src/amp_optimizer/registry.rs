@@ -138,27 +138,27 @@ pub(crate) fn scale_root<AB: AutodiffBackend>(loss: FloatTensor<AB>) -> FloatTen
         return loss;
     }
     let device = AB::float_device(&loss);
-    let monitor = table()
-        .iter()
-        .find(|i| i.backend == TypeId::of::<Amp<AB>>())
-        .map(|i| i.monitor.clone());
-    if let Some(monitor) = monitor {
-        // Outside the table's lock: a sample waits for the device.
-        monitor.sample(SamplePoint::Backward, &device);
-    }
-    let mut table = table();
-    let Some(installation) = table
-        .iter_mut()
-        .find(|i| i.backend == TypeId::of::<Amp<AB>>())
-    else {
-        drop(table);
+    // One look at the table: the memory monitor, and the scale when this backward scales.
+    let found = {
+        let mut table = table();
+        table
+            .iter_mut()
+            .find(|i| i.backend == TypeId::of::<Amp<AB>>())
+            .map(|installation| {
+                let scaled = Precision::effective::<Amp<AB>>(&device).needs_loss_scaling();
+                let scale = scaled.then(|| device_scale::<AB::InnerBackend>(installation, &device));
+                (installation.monitor.clone(), scale)
+            })
+    };
+    let Some((monitor, scale)) = found else {
         warn_if_unscaled_f16::<AB>(&loss);
         return loss;
     };
-    if !Precision::effective::<Amp<AB>>(&device).needs_loss_scaling() {
+    // Outside the table's lock: a sample waits for the device.
+    monitor.sample(SamplePoint::Backward, &device);
+    let Some(scale) = scale else {
         return loss;
-    }
-    let scale = device_scale::<AB::InnerBackend>(installation, &device);
+    };
     let scale = AB::float_reshape(
         AB::from_inner(scale),
         Shape::from(vec![1; loss.shape().num_dims()]),

@@ -59,6 +59,17 @@ impl CountingAlloc {
         PEAK.store(IN_USE.load(Ordering::Relaxed), Ordering::Relaxed);
     }
 
+    /// Counts a block the system allocator handed out (`ptr` null: nothing was).
+    fn handed_out(ptr: *mut u8, size: usize) -> *mut u8 {
+        if !ptr.is_null() {
+            if !INSTALLED.load(Ordering::Relaxed) {
+                INSTALLED.store(true, Ordering::Relaxed);
+            }
+            Self::added(size);
+        }
+        ptr
+    }
+
     fn added(size: usize) {
         let now = IN_USE.fetch_add(size as u64, Ordering::Relaxed) + size as u64;
         PEAK.fetch_max(now, Ordering::Relaxed);
@@ -76,26 +87,12 @@ impl CountingAlloc {
 unsafe impl GlobalAlloc for CountingAlloc {
     unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
         // SAFETY: the caller's contract, forwarded.
-        let ptr = unsafe { System.alloc(layout) };
-        if !ptr.is_null() {
-            if !INSTALLED.load(Ordering::Relaxed) {
-                INSTALLED.store(true, Ordering::Relaxed);
-            }
-            Self::added(layout.size());
-        }
-        ptr
+        Self::handed_out(unsafe { System.alloc(layout) }, layout.size())
     }
 
     unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
         // SAFETY: as above.
-        let ptr = unsafe { System.alloc_zeroed(layout) };
-        if !ptr.is_null() {
-            if !INSTALLED.load(Ordering::Relaxed) {
-                INSTALLED.store(true, Ordering::Relaxed);
-            }
-            Self::added(layout.size());
-        }
-        ptr
+        Self::handed_out(unsafe { System.alloc_zeroed(layout) }, layout.size())
     }
 
     unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
