@@ -17,6 +17,8 @@
 
 pub mod accumulate;
 pub mod optim;
+pub mod quantized;
+pub mod rounding;
 pub mod scaler;
 
 use cubecl::prelude::*;

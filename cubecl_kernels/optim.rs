@@ -7,9 +7,11 @@
 use cubecl::prelude::*;
 use cubecl::std::tensor::layout::linear::LinearView;
 
+use super::rounding::{random16, stochastic_round};
+
 /// `count + 1` unless the step is skipped: written once, by unit 0.
 #[cube]
-fn write_count(step: &Tensor<f32>, step_out: &mut Tensor<f32>, skipped: bool) {
+pub fn write_count(step: &Tensor<f32>, step_out: &mut Tensor<f32>, skipped: bool) {
     if ABSOLUTE_POS == 0 {
         let mut next = step[0];
         if !skipped {
@@ -46,6 +48,10 @@ pub fn adamw_kernel<P: Float, G: Float, N: Size>(
     ln_beta2: f32,
     epsilon: f32,
     decay: f32,
+    seed: u32,
+    ulp_scale: f32,
+    min_binade: f32,
+    #[comptime] stochastic: bool,
     #[define(P, G)] _dtypes: [StorageType; 2],
 ) {
     let skipped = found_inf[0] > 0.5f32;
@@ -77,7 +83,20 @@ pub fn adamw_kernel<P: Float, G: Float, N: Size>(
     let update = m_hat / (Vector::sqrt(v_hat) + Vector::new(epsilon));
     let new_p = p * Vector::new(decay) - update * Vector::new(lr);
 
-    param_out[pos] = Vector::cast_from(new_p);
+    if comptime![stochastic] {
+        // Element `pos * N + i` in logical order: its rounding stream index.
+        let step_bits = u32::cast_from(t);
+        let mut rounded = new_p;
+        #[unroll]
+        for i in 0..N::value() {
+            let index = (pos * N::value() + i) as u32;
+            let r = random16(seed, step_bits, index);
+            rounded[i] = stochastic_round(new_p[i], r, ulp_scale, min_binade);
+        }
+        param_out[pos] = Vector::cast_from(rounded);
+    } else {
+        param_out[pos] = Vector::cast_from(new_p);
+    }
     exp_avg_out[pos] = m;
     exp_avg_sq_out[pos] = v;
 }

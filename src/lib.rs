@@ -50,4 +50,5 @@ pub use backend::{Amp, host_reads};
 pub use error::AmpError;
 pub use frozen::{Frozen, freeze};
 pub use kernels::AmpKernels;
+pub use optim::MemorySaving;
 pub use precision::{AutocastGuard, Precision, autocast, set_default_precision};

@@ -245,6 +245,24 @@ pub fn parameter_bytes<B: Backend, M: burn::module::Module<B>>(module: &M) -> (u
     (count.trainable, count.frozen)
 }
 
+/// Values (elements) of a module's trainable float parameters.
+pub fn trainable_values<B: Backend, M: burn::module::Module<B>>(module: &M) -> u64 {
+    use burn::module::{ModuleVisitor, Param};
+    use burn::tensor::Tensor;
+    struct Count(u64);
+    impl<B: Backend> ModuleVisitor<B> for Count {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+            let t = param.val();
+            if t.is_require_grad() {
+                self.0 += t.shape().num_elements() as u64;
+            }
+        }
+    }
+    let mut count = Count(0);
+    module.visit(&mut count);
+    count.0
+}
+
 pub use crate::grads::gradient_bytes;
 
 mod counting;

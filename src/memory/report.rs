@@ -48,6 +48,10 @@ impl fmt::Display for Advice {
 pub struct MemoryReport {
     /// Trainable parameters.
     pub parameters: u64,
+    /// Values (elements) of the trainable parameters: the denominator of
+    /// [`bytes_per_parameter`](Self::bytes_per_parameter).
+    #[serde(default)]
+    pub trainable_values: u64,
     /// Frozen parameters.
     pub frozen_parameters: u64,
     /// Gradients of the step.
@@ -93,6 +97,16 @@ impl MemoryReport {
     pub fn unexplained(&self) -> Option<i64> {
         self.peak_in_use
             .map(|peak| peak as i64 - self.named_sum() as i64)
+    }
+
+    /// Bytes per trainable parameter value held by the weights, their gradients and the
+    /// optimizer state: 16 for f32 weights with f32 AdamW, about 6 with
+    /// [`MemorySaving`](crate::MemorySaving). `None` without trainable parameters.
+    pub fn bytes_per_parameter(&self) -> Option<f64> {
+        (self.trainable_values > 0).then(|| {
+            (self.parameters + self.gradients + self.optimizer_state) as f64
+                / self.trainable_values as f64
+        })
     }
 
     /// The largest category of the step among the figures shown, and its bytes ("other live
@@ -143,6 +157,13 @@ impl MemoryReport {
                 );
             }
             OPTIMIZER_STATE => {
+                // 8-bit moments: 2 bytes (and a little) per value instead of 8.
+                let int8 = 2 * self.trainable_values + self.trainable_values / 32;
+                add(
+                    self.optimizer_state > 2 * int8,
+                    "8-bit AdamW moments (FusedAdamWConfig::with_moments(MomentStorage::int8()), or MemorySaving)",
+                    Some(self.optimizer_state.saturating_sub(int8)),
+                );
                 add(
                     true,
                     "SGD with momentum keeps one buffer per parameter, Adam two",
@@ -154,11 +175,18 @@ impl MemoryReport {
                     None,
                 );
             }
-            GRADIENTS => add(
-                true,
-                "freeze what needs no training (Frozen: no gradient, no optimizer state)",
-                None,
-            ),
+            GRADIENTS => {
+                add(
+                    self.f32_weights(),
+                    "bf16 weights with stochastic rounding (MemorySaving): half the weights and their gradients",
+                    Some((self.parameters + self.gradients) / 2),
+                );
+                add(
+                    true,
+                    "freeze what needs no training (Frozen: no gradient, no optimizer state)",
+                    None,
+                );
+            }
             _ => {
                 add(
                     self.frozen_parameters > 0 && !s.frozen_storage_half,
@@ -170,11 +198,23 @@ impl MemoryReport {
                     "freeze a backbone and store it in bf16 (Frozen::with_storage)",
                     None,
                 );
+                add(
+                    self.f32_weights(),
+                    "bf16 weights with stochastic rounding (MemorySaving): half the weights and their gradients",
+                    Some((self.parameters + self.gradients) / 2),
+                );
                 add(true, "a smaller model", None);
             }
         }
         advice.sort_by_key(|a| core::cmp::Reverse(a.saving.unwrap_or(0)));
         advice
+    }
+}
+
+impl MemoryReport {
+    /// The trainable parameters are 4-byte floats.
+    fn f32_weights(&self) -> bool {
+        self.trainable_values > 0 && self.parameters >= 4 * self.trainable_values
     }
 }
 
@@ -217,6 +257,13 @@ impl fmt::Display for MemoryReport {
         row(f, "= peak in use", self.peak_in_use)?;
         if let Some(reserve) = self.reserve_and_fragmentation {
             row(f, "reserve + fragmentation", Some(reserve))?;
+        }
+        if let Some(b) = self.bytes_per_parameter() {
+            writeln!(
+                f,
+                "  {:<24} {b:>10.2} (weights + gradients + optimizer state)",
+                "bytes per parameter"
+            )?;
         }
         let (name, _) = self.largest();
         let advice = self.advice();

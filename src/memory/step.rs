@@ -86,6 +86,7 @@ impl StepMemory {
         MemoryReport {
             other_in_use,
             parameters,
+            trainable_values: super::trainable_values::<B, M>(module),
             frozen_parameters,
             gradients,
             optimizer_state,

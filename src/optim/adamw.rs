@@ -8,13 +8,60 @@ use burn::prelude::*;
 use burn::record::Record;
 use burn::tensor::backend::AutodiffBackend;
 
-use super::kernels::{AdamWMoments, OptimKernels, Scaling, fallback};
+use serde::{Deserialize, Serialize};
+
+use super::kernels::{AdamWMoments, OptimKernels, QuantizedMoments, Scaling, fallback};
+use super::quantized::{QuantMap, QuantizedTensor};
+use super::rounding::WeightRounding;
 use super::{
     OptimError, ScaledAdaptor, ScaledSimpleOptimizer, adaptor, as_f32, bytes, check_range,
     simple_optimizer,
 };
 use crate::grads::{primitive, tensor};
 use burn_backend::tensor::FloatTensor;
+
+/// How [`FusedAdamW`] stores its two moments.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum MomentStorage {
+    /// f32: 8 bytes per parameter.
+    F32,
+    /// 8-bit block-wise codes (see [`quantized`](super::quantized)): about 2 bytes per
+    /// parameter (`2 + 8 / block`). Tensors of fewer than `min_numel` values stay f32, as in
+    /// bitsandbytes: their state is small and they are often the sensitive ones (norms,
+    /// biases).
+    Int8 {
+        /// Values per block: 256, 512, 1024 or 2048.
+        block: usize,
+        /// The code map of both moments.
+        map: QuantMap,
+        /// Smallest tensor that is quantized.
+        min_numel: usize,
+    },
+}
+
+impl MomentStorage {
+    /// 8-bit moments with bitsandbytes' defaults where they are measured to train as well:
+    /// blocks of 256, the dynamic map, tensors under 4096 values in f32.
+    pub fn int8() -> Self {
+        Self::Int8 {
+            block: 256,
+            map: QuantMap::Dynamic,
+            min_numel: 4096,
+        }
+    }
+
+    /// Whether a tensor of `numel` values gets 8-bit moments: `(block, map)` if so.
+    fn quantizes(self, numel: usize) -> Option<(usize, QuantMap)> {
+        match self {
+            Self::Int8 {
+                block,
+                map,
+                min_numel,
+            } if numel >= min_numel.max(1) => Some((block, map)),
+            _ => None,
+        }
+    }
+}
 
 /// Configuration of [`FusedAdamW`]. The defaults are PyTorch's `AdamW` (Burn's `AdamWConfig`
 /// has eps 1e-5 and weight decay 1e-4); the field names are Burn's.
@@ -34,6 +81,16 @@ pub struct FusedAdamWConfig {
     pub weight_decay: f32,
     /// Gradient clipping, applied per parameter to unscaled gradients (Burn's semantics).
     pub grad_clipping: Option<GradientClippingConfig>,
+    /// How the moments are stored (f32, or 8-bit blocks).
+    #[config(default = "MomentStorage::F32")]
+    pub moments: MomentStorage,
+    /// How an update is rounded into a bf16 or f16 parameter (f32 parameters are exact).
+    #[config(default = "WeightRounding::Nearest")]
+    pub weight_rounding: WeightRounding,
+    /// Seed of the stochastic rounding's streams: with the parameters' step counts (in the
+    /// record) it makes a resumed run replay bit for bit.
+    #[config(default = 0)]
+    pub seed: u64,
 }
 
 impl FusedAdamWConfig {
@@ -67,7 +124,26 @@ impl FusedAdamWConfig {
             self.weight_decay,
             self.weight_decay >= 0.0,
             "a finite number >= 0",
-        )
+        )?;
+        if let MomentStorage::Int8 { block, .. } = self.moments {
+            check_range(
+                name,
+                "moments.block",
+                block as f32,
+                [256, 512, 1024, 2048].contains(&block),
+                "256, 512, 1024 or 2048",
+            )?;
+        }
+        Ok(())
+    }
+
+    /// The memory-saving AdamW: 8-bit moments and stochastic rounding into half-precision
+    /// parameters. With bf16 parameters (see [`MemorySaving`](crate::MemorySaving)) a step
+    /// holds about 6 bytes per parameter instead of 16.
+    pub fn memory_saving() -> Self {
+        Self::new()
+            .with_moments(MomentStorage::int8())
+            .with_weight_rounding(WeightRounding::Stochastic)
     }
 
     /// The optimizer for module `M`, with empty state.
@@ -101,22 +177,82 @@ impl FusedAdamW {
 /// One parameter's [`FusedAdamW`] state.
 #[derive(Record, Clone, Debug)]
 pub struct FusedAdamWState<B: Backend, const D: usize> {
-    /// First moment, f32.
-    pub exp_avg: Tensor<B, D>,
-    /// Second moment, f32.
-    pub exp_avg_sq: Tensor<B, D>,
+    /// The two moments.
+    pub moments: AdamWMomentState<B, D>,
     /// Steps applied to this parameter, f32 `[1]` on the device.
     pub step: Tensor<B, 1>,
 }
 
-simple_optimizer!(
-    FusedAdamW,
-    FusedAdamWState {
-        exp_avg,
-        exp_avg_sq,
-        step
+/// [`FusedAdamW`]'s moments of one parameter, as [`MomentStorage`] chose them when the state
+/// was created.
+#[derive(Record, Clone, Debug)]
+pub enum AdamWMomentState<B: Backend, const D: usize> {
+    /// f32 moments.
+    F32(F32Moments<B, D>),
+    /// 8-bit moments.
+    Int8(Int8Moments<B>),
+}
+
+/// f32 moments of the parameter's shape.
+#[derive(Record, Clone, Debug)]
+pub struct F32Moments<B: Backend, const D: usize> {
+    /// First moment.
+    pub exp_avg: Tensor<B, D>,
+    /// Second moment.
+    pub exp_avg_sq: Tensor<B, D>,
+}
+
+/// 8-bit moments: the first, and the square root of the second.
+#[derive(Record, Clone, Debug)]
+pub struct Int8Moments<B: Backend> {
+    /// First moment, signed map.
+    pub exp_avg: QuantizedTensor<B>,
+    /// Square root of the second moment, unsigned map.
+    pub exp_avg_sq_sqrt: QuantizedTensor<B>,
+}
+
+impl<B: Backend, const D: usize> AdamWMomentState<B, D> {
+    /// The moments on `device`.
+    pub fn to_device(self, device: &B::Device) -> Self {
+        match self {
+            Self::F32(m) => Self::F32(F32Moments {
+                exp_avg: m.exp_avg.to_device(device),
+                exp_avg_sq: m.exp_avg_sq.to_device(device),
+            }),
+            Self::Int8(m) => Self::Int8(Int8Moments {
+                exp_avg: m.exp_avg.to_device(device),
+                exp_avg_sq_sqrt: m.exp_avg_sq_sqrt.to_device(device),
+            }),
+        }
     }
-);
+
+    /// Bytes on the device.
+    pub fn bytes(&self) -> u64 {
+        match self {
+            Self::F32(m) => bytes(&m.exp_avg) + bytes(&m.exp_avg_sq),
+            Self::Int8(m) => m.exp_avg.bytes() + m.exp_avg_sq_sqrt.bytes(),
+        }
+    }
+}
+
+simple_optimizer!(FusedAdamW, FusedAdamWState { moments, step });
+
+/// A fresh 8-bit state for `numel` values: codes 0 and maxima 0 (every value decodes to 0).
+fn zero_quantized<B: Backend>(
+    like: &FloatTensor<B>,
+    numel: usize,
+    block: usize,
+    map: QuantMap,
+) -> QuantizedTensor<B> {
+    let device = B::float_device(like);
+    let blocks = numel.div_ceil(block);
+    QuantizedTensor {
+        codes: Tensor::zeros([blocks * block / 4], (&device, burn::tensor::DType::I32)),
+        absmax: Tensor::zeros([blocks], (&device, burn::tensor::DType::F32)),
+        block,
+        map,
+    }
+}
 
 impl<B: OptimKernels> ScaledSimpleOptimizer<B> for FusedAdamW {
     fn step_scaled<const D: usize>(
@@ -127,36 +263,76 @@ impl<B: OptimKernels> ScaledSimpleOptimizer<B> for FusedAdamW {
         state: Option<Self::State<D>>,
         scaling: Scaling<FloatTensor<B>>,
     ) -> (Tensor<B, D>, Option<Self::State<D>>) {
+        let numel = value.shape().num_elements();
         let param = primitive(value);
-        let moments = match state {
-            Some(s) => AdamWMoments {
-                exp_avg: primitive(as_f32(s.exp_avg)),
-                exp_avg_sq: primitive(as_f32(s.exp_avg_sq)),
-                step: primitive(as_f32(s.step)),
-            },
-            None => AdamWMoments {
-                exp_avg: fallback::zeros_f32::<B>(&param),
-                exp_avg_sq: fallback::zeros_f32::<B>(&param),
-                step: fallback::zero_count::<B>(&param),
-            },
+        let (moments, step) = match state {
+            Some(s) => (s.moments, as_f32(s.step)),
+            None => {
+                let step = tensor(fallback::zero_count::<B>(&param));
+                let moments = match self.config.moments.quantizes(numel) {
+                    Some((block, map)) => AdamWMomentState::Int8(Int8Moments {
+                        exp_avg: zero_quantized::<B>(&param, numel, block, map),
+                        exp_avg_sq_sqrt: zero_quantized::<B>(&param, numel, block, map),
+                    }),
+                    None => AdamWMomentState::F32(F32Moments {
+                        exp_avg: tensor(fallback::zeros_f32::<B>(&param)),
+                        exp_avg_sq: tensor(fallback::zeros_f32::<B>(&param)),
+                    }),
+                };
+                (moments, step)
+            }
         };
-        let (param, m) = B::adamw_step(
-            param,
-            primitive(grad),
-            moments,
-            scaling,
-            lr as f32,
-            &self.config,
-        );
-        let state = FusedAdamWState {
-            exp_avg: tensor(m.exp_avg),
-            exp_avg_sq: tensor(m.exp_avg_sq),
-            step: tensor(m.step),
+        let grad = primitive(grad);
+        let lr = lr as f32;
+        let (param, state) = match moments {
+            AdamWMomentState::F32(m) => {
+                let moments = AdamWMoments {
+                    exp_avg: primitive(as_f32(m.exp_avg)),
+                    exp_avg_sq: primitive(as_f32(m.exp_avg_sq)),
+                    step: primitive(step),
+                };
+                let (param, m) = B::adamw_step(param, grad, moments, scaling, lr, &self.config);
+                let state = FusedAdamWState {
+                    moments: AdamWMomentState::F32(F32Moments {
+                        exp_avg: tensor(m.exp_avg),
+                        exp_avg_sq: tensor(m.exp_avg_sq),
+                    }),
+                    step: tensor(m.step),
+                };
+                (param, state)
+            }
+            AdamWMomentState::Int8(q) => {
+                let (block, map) = (q.exp_avg.block, q.exp_avg.map);
+                let moments = QuantizedMoments {
+                    exp_avg_codes: q.exp_avg.codes.into_primitive(),
+                    exp_avg_absmax: primitive(q.exp_avg.absmax),
+                    exp_avg_sq_codes: q.exp_avg_sq_sqrt.codes.into_primitive(),
+                    exp_avg_sq_absmax: primitive(q.exp_avg_sq_sqrt.absmax),
+                    step: primitive(step),
+                    block,
+                    map,
+                };
+                let (param, m) = B::adamw8bit_step(param, grad, moments, scaling, lr, &self.config);
+                let quantized = |codes, absmax| QuantizedTensor {
+                    codes: Tensor::from_primitive(codes),
+                    absmax: tensor(absmax),
+                    block,
+                    map,
+                };
+                let state = FusedAdamWState {
+                    moments: AdamWMomentState::Int8(Int8Moments {
+                        exp_avg: quantized(m.exp_avg_codes, m.exp_avg_absmax),
+                        exp_avg_sq_sqrt: quantized(m.exp_avg_sq_codes, m.exp_avg_sq_absmax),
+                    }),
+                    step: tensor(m.step),
+                };
+                (param, state)
+            }
         };
         (tensor(param), Some(state))
     }
 
     fn state_bytes<const D: usize>(state: &Self::State<D>) -> u64 {
-        bytes(&state.exp_avg) + bytes(&state.exp_avg_sq) + bytes(&state.step)
+        state.moments.bytes() + bytes(&state.step)
     }
 }

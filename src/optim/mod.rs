@@ -16,6 +16,9 @@
 mod adamw;
 mod adaptor;
 pub mod kernels;
+mod memory_saving;
+pub mod quantized;
+pub mod rounding;
 mod sgd;
 
 use burn::optim::LearningRate;
@@ -24,9 +27,15 @@ use burn::prelude::*;
 use burn_backend::tensor::FloatTensor;
 use thiserror::Error;
 
-pub use adamw::{FusedAdamW, FusedAdamWConfig, FusedAdamWState};
+pub use adamw::{
+    AdamWMomentState, F32Moments, FusedAdamW, FusedAdamWConfig, FusedAdamWState, Int8Moments,
+    MomentStorage,
+};
 pub use adaptor::ScaledAdaptor;
-pub use kernels::{OptimKernels, Scaling};
+pub use kernels::{OptimKernels, QuantizedMoments, Scaling};
+pub use memory_saving::MemorySaving;
+pub use quantized::{QuantMap, QuantizedTensor};
+pub use rounding::WeightRounding;
 pub use sgd::{FusedSgd, FusedSgdConfig, FusedSgdState};
 
 /// A [`SimpleOptimizer`] whose step also takes the loss scaler's device signals: the

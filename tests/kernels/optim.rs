@@ -2,6 +2,7 @@
 //! themselves: `adamw.rs`, `sgd.rs`, and `scaled.rs` (a real loss scale).
 
 mod adamw;
+mod quantized;
 mod scaled;
 mod sgd;
 

@@ -9,6 +9,11 @@ use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElemen
 use burn_fusion::{Fusion, FusionBackend};
 use derive_new::new;
 
+pub mod quantized;
+
+pub use quantized::{MomentsOf, QuantizedMoments};
+
+use super::rounding::{StochasticRounding, kernel_args};
 use super::{FusedAdamWConfig, FusedSgdConfig};
 use crate::kernels::cube::{
     Elementwise, address_type, assert_f32, assert_same_shape, empty_scalar_f32, output_for,
@@ -64,6 +69,20 @@ pub trait OptimKernels: Backend {
         fallback::adamw_step::<Self>(param, grad, state, scaling, lr, config)
     }
 
+    /// One AdamW step with 8-bit block-quantized moments (see [`crate::optim::quantized`]):
+    /// dequantize, update in f32, requantize, skipped bit for bit (codes, maxima and count)
+    /// when `found_inf[0] != 0`. The parameter is rounded as `config.weight_rounding` says.
+    fn adamw8bit_step(
+        param: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+        state: MomentsOf<Self>,
+        scaling: Scaling<FloatTensor<Self>>,
+        lr: f32,
+        config: &FusedAdamWConfig,
+    ) -> (FloatTensor<Self>, MomentsOf<Self>) {
+        quantized::fallback::adamw8bit_step::<Self>(param, grad, state, scaling, lr, config)
+    }
+
     /// One SGD step, with a velocity when the config has momentum (`None` otherwise), skipped
     /// bit for bit on overflow.
     fn sgd_step(
@@ -79,6 +98,7 @@ pub trait OptimKernels: Backend {
 }
 
 kernels_for_flex_and_amp!(OptimKernels {
+    fn adamw8bit_step(param: FloatTensor<Self>, grad: FloatTensor<Self>, state: MomentsOf<Self>, scaling: Scaling<FloatTensor<Self>>, lr: f32, config: &FusedAdamWConfig) -> (FloatTensor<Self>, MomentsOf<Self>);
     fn adamw_step(param: FloatTensor<Self>, grad: FloatTensor<Self>, state: AdamWMoments<FloatTensor<Self>>, scaling: Scaling<FloatTensor<Self>>, lr: f32, config: &FusedAdamWConfig) -> (FloatTensor<Self>, AdamWMoments<FloatTensor<Self>>);
     fn sgd_step(param: FloatTensor<Self>, grad: FloatTensor<Self>, velocity: Option<Velocity<FloatTensor<Self>>>, scaling: Scaling<FloatTensor<Self>>, lr: f32, config: &FusedSgdConfig) -> (FloatTensor<Self>, Option<Velocity<FloatTensor<Self>>>);
 });
@@ -111,7 +131,8 @@ pub mod fallback {
     use burn_backend::{Backend, TensorMetadata, get_device_settings};
     use burn_std::{FloatDType, Shape};
 
-    use super::{AdamWConstants, AdamWMoments, Scaling, Velocity};
+    use super::{AdamWConstants, AdamWMoments, Scaling, StochasticRounding, Velocity};
+    use crate::optim::rounding::fallback::stochastic_round;
     use crate::optim::{FusedAdamWConfig, FusedSgdConfig};
     use crate::scaler::kernels::fallback::{s, select, to_f32};
 
@@ -197,6 +218,12 @@ pub mod fallback {
         );
         let decayed = B::float_mul_scalar(p, s(k.decay as f64));
         let new_p = B::float_sub(decayed, B::float_mul_scalar(update, s(lr as f64)));
+        let rounding =
+            StochasticRounding::new(c.weight_rounding, c.seed, dtype, shape.num_elements());
+        let new_p = match rounding {
+            Some(r) => stochastic_round::<B>(new_p, B::float_add_scalar(step.clone(), s(1.0)), r),
+            None => new_p,
+        };
         let new_p = to_dtype::<B>(new_p, dtype);
         let skip = skip_mask::<B>(&scaling.found_inf, &shape);
         let state = AdamWMoments {
@@ -272,6 +299,17 @@ pub mod fallback {
 impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> OptimKernels
     for CubeBackend<R, F, I, BT>
 {
+    fn adamw8bit_step(
+        param: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+        state: MomentsOf<Self>,
+        scaling: Scaling<FloatTensor<Self>>,
+        lr: f32,
+        config: &FusedAdamWConfig,
+    ) -> (FloatTensor<Self>, MomentsOf<Self>) {
+        quantized::cube::adamw8bit_step::<R, F, I, BT>(param, grad, state, scaling, lr, config)
+    }
+
     fn adamw_step(
         param: FloatTensor<Self>,
         grad: FloatTensor<Self>,
@@ -297,6 +335,13 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> OptimKerne
         let inv_scale = scalar_f32(scaling.inv_scale, "inv_scale");
         let found = scalar_f32(scaling.found_inf, "found_inf");
         let k = AdamWConstants::new(lr, c);
+        let rounding = StochasticRounding::new(
+            c.weight_rounding,
+            c.seed,
+            param.dtype,
+            param.meta.num_elements(),
+        );
+        let (seed, ulp_scale, min_binade) = kernel_args(rounding);
 
         let launch = Elementwise::over(&[&param, &grad, &exp_avg, &exp_avg_sq]);
         let dtypes = [param.dtype.into(), grad.dtype.into()];
@@ -335,6 +380,10 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> OptimKerne
                 k.ln_beta2,
                 c.epsilon,
                 k.decay,
+                seed,
+                ulp_scale,
+                min_binade,
+                rounding.is_some(),
                 dtypes,
             )
         };
@@ -427,6 +476,17 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> OptimKerne
 }
 
 impl<B: FusionBackend + OptimKernels> OptimKernels for Fusion<B> {
+    fn adamw8bit_step(
+        param: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+        state: MomentsOf<Self>,
+        scaling: Scaling<FloatTensor<Self>>,
+        lr: f32,
+        config: &FusedAdamWConfig,
+    ) -> (FloatTensor<Self>, MomentsOf<Self>) {
+        quantized::fusion::adamw8bit_step::<B>(param, grad, state, scaling, lr, config)
+    }
+
     fn adamw_step(
         param: FloatTensor<Self>,
         grad: FloatTensor<Self>,

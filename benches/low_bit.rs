@@ -1,0 +1,212 @@
+//! Six bytes per parameter: AdamW with f32 or 8-bit moments, f32 or bf16 weights (rounded to
+//! nearest or stochastically), trained side by side on the same TinyLm, data and seeds.
+//! Per variant: bytes per parameter (weights + gradients + optimizer state, from the
+//! `MemoryReport`), the peak of a measured step (Flex, `CountingAlloc`), final loss, and time
+//! per step against f32 AdamW. One table, then one JSON line.
+//!
+//! `cargo bench --bench low_bit` (`cargo test` runs it small, as a smoke test).
+
+#[path = "../tests/common/mod.rs"]
+#[allow(dead_code)]
+mod common;
+#[path = "common/report.rs"]
+mod report;
+
+use std::time::Instant;
+
+use burn::backend::{Autodiff, Flex};
+use burn::optim::{GradientsParams, Optimizer};
+use burn::prelude::*;
+use burn_amp::memory::{CountingAlloc, MemoryReport, StepMemory};
+use burn_amp::optim::{FusedAdamWConfig, MomentStorage, QuantMap, WeightRounding};
+use burn_amp::{Amp, MemorySaving, Precision, autocast};
+use burn_std::FloatDType;
+use common::tiny_lm::{ReversalTask, TinyLm, TinyLmConfig};
+
+#[global_allocator]
+static ALLOC: CountingAlloc = CountingAlloc::new();
+
+type B = Amp<Autodiff<Flex>>;
+
+/// One way to store the step's state.
+#[derive(Clone, Copy)]
+struct Variant {
+    name: &'static str,
+    moments: MomentStorage,
+    weights: FloatDType,
+    rounding: WeightRounding,
+}
+
+const F32: FloatDType = FloatDType::F32;
+const BF16: FloatDType = FloatDType::BF16;
+
+fn variants() -> Vec<Variant> {
+    let int8 = MomentStorage::int8();
+    let linear = MomentStorage::Int8 {
+        block: 256,
+        map: QuantMap::Linear,
+        min_numel: 4096,
+    };
+    let v = |name, moments, weights, rounding| Variant {
+        name,
+        moments,
+        weights,
+        rounding,
+    };
+    use WeightRounding::{Nearest, Stochastic};
+    vec![
+        v("f32 AdamW", MomentStorage::F32, F32, Nearest),
+        v("8-bit AdamW (dynamic map)", int8, F32, Nearest),
+        v("8-bit AdamW (linear map)", linear, F32, Nearest),
+        v(
+            "8-bit + bf16 weights, stochastic (MemorySaving)",
+            int8,
+            BF16,
+            Stochastic,
+        ),
+        v("8-bit + bf16 weights, nearest", int8, BF16, Nearest),
+        v(
+            "f32 AdamW + bf16 weights, nearest",
+            MomentStorage::F32,
+            BF16,
+            Nearest,
+        ),
+    ]
+}
+
+struct Row {
+    variant: Variant,
+    report: MemoryReport,
+    first_loss: f32,
+    final_loss: f32,
+    ms_per_step: f64,
+}
+
+fn train(variant: Variant, config: &TinyLmConfig, steps: usize, batch: usize, lr: f64) -> Row {
+    let device = Default::default();
+    // bf16 weights compute in bf16 (no cast of the weights); f32 ones in f32.
+    let precision = if variant.weights == BF16 {
+        Precision::Bf16
+    } else {
+        Precision::F32
+    };
+    let _g = autocast(precision);
+    B::seed(&device, 3);
+    let preset = MemorySaving::new()
+        .with_weights(variant.weights)
+        .with_optimizer(
+            FusedAdamWConfig::new()
+                .with_moments(variant.moments)
+                .with_weight_rounding(variant.rounding)
+                .with_weight_decay(0.0),
+        );
+    let mut model = preset.prepare(config.init::<B>(&device));
+    let mut optim = preset.optimizer::<B, TinyLm<B>>().expect("a valid config");
+    let mut task = ReversalTask::new(config.vocab, config.seq_len, 5);
+    let mut losses = Vec::with_capacity(steps);
+    let mut report = MemoryReport::default();
+    let mut timed = Vec::new();
+    for step in 0..steps {
+        let (x, y) = task.batch::<B>(batch, &device);
+        let start = Instant::now();
+        // The third step is measured: the state exists, one-time buffers are made.
+        let mut memory = (step == 2).then(|| StepMemory::begin::<B>(&device));
+        let loss = model.loss(x, y);
+        if let Some(m) = memory.as_mut() {
+            m.after_forward::<B>(&device);
+        }
+        losses.push(loss.clone().into_scalar().elem::<f32>());
+        let grads = GradientsParams::from_grads(loss.backward(), &model);
+        if let Some(m) = memory.as_mut() {
+            m.after::<B>(&device);
+            report = m.report::<B, _>(&model, Some(&grads), optim.state_bytes(&model));
+        }
+        model = optim.step(lr, model, grads);
+        if let Some(mut m) = memory {
+            m.after::<B>(&device);
+            report.peak_in_use = m.report::<B, _>(&model, None, 0).peak_in_use;
+        }
+        if step >= 3 {
+            timed.push(start.elapsed());
+        }
+    }
+    let tail = &losses[steps - steps.min(20)..];
+    Row {
+        variant,
+        report,
+        first_loss: losses[0],
+        final_loss: tail.iter().sum::<f32>() / tail.len() as f32,
+        ms_per_step: common::median(timed).as_secs_f64() * 1e3,
+    }
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args().collect();
+    let full = args.iter().any(|a| a == "--bench" || a == "--full");
+    let (config, steps, batch) = if full {
+        (
+            TinyLmConfig::new()
+                .with_d_model(64)
+                .with_d_ff(256)
+                .with_seq_len(12)
+                .with_dropout(0.0),
+            400,
+            32,
+        )
+    } else {
+        (
+            TinyLmConfig::new()
+                .with_d_model(64)
+                .with_d_ff(128)
+                .with_dropout(0.0),
+            6,
+            8,
+        )
+    };
+    let lr = 1e-3;
+    let rows: Vec<Row> = variants()
+        .into_iter()
+        .map(|v| {
+            let config = config.clone();
+            std::thread::spawn(move || train(v, &config, steps, batch, lr))
+                .join()
+                .unwrap()
+        })
+        .collect();
+    let base = &rows[0];
+    println!(
+        "TinyLm d_model {} d_ff {} seq {} layers {}, batch {batch}, {steps} steps of AdamW (lr {lr}), Flex",
+        config.d_model, config.d_ff, config.seq_len, config.n_layers
+    );
+    println!(
+        "| variant | bytes / param | optimizer state | peak of a step | loss first → last 20 | final / f32 | time / f32 |"
+    );
+    println!("|---|---|---|---|---|---|---|");
+    let mut json = Vec::new();
+    for r in &rows {
+        let bpp = r.report.bytes_per_parameter().unwrap_or(f64::NAN);
+        let peak = r.report.peak_in_use.unwrap_or(0);
+        println!(
+            "| {} | {bpp:.2} | {:.3} MiB | {:.2} MiB | {:.3} → {:.3} | {:.3} | {:.2} |",
+            r.variant.name,
+            common::mib(r.report.optimizer_state),
+            common::mib(peak),
+            r.first_loss,
+            r.final_loss,
+            r.final_loss / base.final_loss,
+            r.ms_per_step / base.ms_per_step,
+        );
+        json.push(format!(
+            "{{\"variant\":\"{}\",\"bytes_per_param\":{bpp:.4},\"optimizer_state\":{},\"peak\":{peak},\"final_loss\":{:.5},\"loss_ratio\":{:.4},\"time_ratio\":{:.4}}}",
+            r.variant.name,
+            r.report.optimizer_state,
+            r.final_loss,
+            r.final_loss / base.final_loss,
+            r.ms_per_step / base.ms_per_step
+        ));
+    }
+    report::emit(&format!(
+        "{{\"bench\":\"low_bit\",\"steps\":{steps},\"rows\":[{}]}}",
+        json.join(",")
+    ));
+}
