@@ -7,7 +7,6 @@
 //! `cargo bench --bench low_bit` (`cargo test` runs it small, as a smoke test).
 
 #[path = "../tests/common/mod.rs"]
-#[allow(dead_code)]
 mod common;
 #[path = "common/report.rs"]
 mod report;

@@ -43,10 +43,14 @@ use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::{FloatDType, Transaction};
 use burn_amp::accumulate::GradientAccumulationRecord;
 use burn_amp::kernels::AmpKernels;
-use burn_amp::memory::{DeviceMemory, MemoryReport, PeakMemory, StepMemory, parameter_bytes};
-use burn_amp::optim::{FusedAdamW, FusedAdamWConfig, ScaledAdaptor};
+use burn_amp::memory::{
+    DeviceMemory, MemoryReport, PeakMemory, StepMemory, parameter_bytes, trainable_values,
+};
+use burn_amp::optim::{FusedAdamW, FusedAdamWConfig, MomentStorage, ScaledAdaptor, WeightRounding};
 use burn_amp::scaler::{GradScalerConfig, GradScalerRecord};
-use burn_amp::{Amp, AmpOptimizer, GradientAccumulation, Precision, autocast, freeze, host_reads};
+use burn_amp::{
+    Amp, AmpOptimizer, GradientAccumulation, MemorySaving, Precision, autocast, freeze, host_reads,
+};
 use clap::{Parser, ValueEnum};
 use indicatif::{ProgressBar, ProgressStyle};
 use tiny_lm::{ReversalTask, TinyLm, TinyLmConfig, TinyLmRecord};
@@ -122,6 +126,60 @@ struct Args {
     /// state and accumulation sums come on top.
     #[arg(long)]
     memory_budget: Option<f64>,
+    /// AdamW's moments: f32 (`adamw`, 8 bytes per parameter) or 8-bit blocks (`adamw8bit`,
+    /// about 2).
+    #[arg(long, value_enum, default_value_t = OptimArg::Adamw)]
+    optim: OptimArg,
+    /// The trainable weights: f32, or half precision with stochastic rounding and no f32
+    /// master copy (`bf16-sr`, `f16-sr`; `bf16` rounds to nearest, to show why not).
+    #[arg(long, value_enum, default_value_t = WeightsArg::F32)]
+    weights: WeightsArg,
+}
+
+#[derive(ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
+enum OptimArg {
+    /// f32 moments.
+    Adamw,
+    /// 8-bit block-wise moments (`MomentStorage::int8()`).
+    Adamw8bit,
+}
+
+#[derive(ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
+enum WeightsArg {
+    /// f32 weights.
+    F32,
+    /// bf16 weights, stochastic rounding.
+    Bf16Sr,
+    /// bf16 weights, rounded to nearest.
+    Bf16,
+    /// f16 weights, stochastic rounding (with f16 autocast and the loss scaler).
+    F16Sr,
+}
+
+impl WeightsArg {
+    fn dtype(self) -> FloatDType {
+        match self {
+            Self::F32 => FloatDType::F32,
+            Self::Bf16Sr | Self::Bf16 => FloatDType::BF16,
+            Self::F16Sr => FloatDType::F16,
+        }
+    }
+
+    fn rounding(self) -> WeightRounding {
+        match self {
+            Self::Bf16 | Self::F32 => WeightRounding::Nearest,
+            Self::Bf16Sr | Self::F16Sr => WeightRounding::Stochastic,
+        }
+    }
+
+    fn name(self) -> &'static str {
+        match self {
+            Self::F32 => "f32",
+            Self::Bf16Sr => "bf16-sr",
+            Self::Bf16 => "bf16",
+            Self::F16Sr => "f16-sr",
+        }
+    }
 }
 
 #[derive(ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
@@ -232,6 +290,20 @@ where
         )
         .into());
     }
+    let weights = args.weights.dtype();
+    if weights != FloatDType::F32 && precision.low_dtype() != Some(weights) {
+        return Err(format!(
+            "--weights {} stores the weights in {weights:?}: train at that precision \
+             (--precision {}), so the ops run in the weights' dtype",
+            args.weights.name(),
+            if weights == FloatDType::BF16 {
+                "bf16"
+            } else {
+                "f16"
+            }
+        )
+        .into());
+    }
     if !args.inject_nan_at.is_empty() && !precision.needs_loss_scaling() {
         return Err(format!(
             "--inject-nan-at shows the loss scaler skipping steps, and the scaler only runs at \
@@ -250,7 +322,21 @@ where
     let config = model_config(args);
     let mut model: TinyLm<B> = config.init::<B>(&device);
     let mut task = ReversalTask::new(config.vocab, config.seq_len, args.seed);
-    let adamw = FusedAdamWConfig::new().with_weight_decay(0.0).init()?;
+    let moments = match args.optim {
+        OptimArg::Adamw => MomentStorage::F32,
+        OptimArg::Adamw8bit => MomentStorage::int8(),
+    };
+    // The weights' storage and the optimizer, as one preset (`MemorySaving`).
+    let storage = MemorySaving::new()
+        .with_weights(args.weights.dtype())
+        .with_optimizer(
+            FusedAdamWConfig::new()
+                .with_weight_decay(0.0)
+                .with_moments(moments)
+                .with_weight_rounding(args.weights.rounding())
+                .with_seed(args.seed),
+        );
+    let adamw = storage.optimizer()?;
     // The one front door: at f16 `backward` scales the loss and `step` unscales, checks,
     // skips and updates the scale on the device; at bf16/f32 it passes through.
     let scaling = GradScalerConfig::new().with_growth_interval(200);
@@ -296,6 +382,8 @@ where
         )
         .into());
     }
+    // Half-precision weights after the resume too: Burn's recorder loads them as f32.
+    model = storage.prepare(model);
     if args.freeze == FreezeArg::Embeddings {
         // `TinyLm::tokens` is an `Embedding<B>`, so the module is frozen through `Frozen`
         // and unwrapped again: a leaf that requires no gradient, in the training precision
@@ -459,6 +547,11 @@ where
     let batch = micro_batch * accum;
     let tokens = ((args.steps - start_step) * batch * config.seq_len) as f64;
     let peak_bytes = (peak.peak > 0).then_some(peak.peak);
+    // Weights, their gradients (same dtype) and the optimizer state, per trainable value.
+    let (trainable, _) = parameter_bytes::<B, TinyLm<B>>(&model);
+    let values = trainable_values::<B, TinyLm<B>>(&model).max(1);
+    let state_bytes = optim.inner().inner().state_bytes(&model);
+    let bytes_per_param = (2 * trainable + state_bytes) as f64 / values as f64;
 
     if let Some(path) = &args.save {
         let state = TrainState {
@@ -482,17 +575,22 @@ where
         FreezeArg::Embeddings => "embeddings",
     };
     println!(
-        "| backend | precision | steps | batch (micro × accum) | final loss | skipped | scale | peak MiB | tokens/s |"
+        "| backend | precision | optimizer | weights | bytes / param | steps | batch (micro × accum) | final loss | skipped | scale | peak MiB | tokens/s |"
     );
-    println!("|---|---|---|---|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|---|---|---|---|---|---|");
+    let optim_name = match args.optim {
+        OptimArg::Adamw => "adamw",
+        OptimArg::Adamw8bit => "adamw8bit",
+    };
+    let weights_name = args.weights.name();
     println!(
-        "| {backend} | {precision} | {} | {batch} ({micro_batch} × {accum}) | {final_loss:.4} | {skipped} | {final_scale} | {} | {:.0} |",
+        "| {backend} | {precision} | {optim_name} | {weights_name} | {bytes_per_param:.2} | {} | {batch} ({micro_batch} × {accum}) | {final_loss:.4} | {skipped} | {final_scale} | {} | {:.0} |",
         args.steps,
         peak_bytes.map_or("n/a".into(), |p| format!("{:.1}", mib(p))),
         tokens / wall
     );
     println!(
-        "{{\"precision\":\"{precision}\",\"backend\":\"{backend}\",\"steps\":{},\"final_loss\":{final_loss},\"skipped_steps\":{skipped},\"final_scale\":{final_scale},\"peak_bytes\":{},\"tokens_per_s\":{:.1},\"wall_s\":{wall:.3},\"batch\":{batch},\"micro_batch\":{micro_batch},\"accum\":{accum},\"freeze\":\"{freeze}\",\"checkpointing\":{},\"resumed_at\":{start_step},\"host_reads\":{reads}}}",
+        "{{\"precision\":\"{precision}\",\"backend\":\"{backend}\",\"optim\":\"{optim_name}\",\"weights\":\"{weights_name}\",\"bytes_per_param\":{bytes_per_param:.4},\"steps\":{},\"final_loss\":{final_loss},\"skipped_steps\":{skipped},\"final_scale\":{final_scale},\"peak_bytes\":{},\"tokens_per_s\":{:.1},\"wall_s\":{wall:.3},\"batch\":{batch},\"micro_batch\":{micro_batch},\"accum\":{accum},\"freeze\":\"{freeze}\",\"checkpointing\":{},\"resumed_at\":{start_step},\"host_reads\":{reads}}}",
         args.steps,
         peak_bytes.map_or("null".into(), |p| p.to_string()),
         tokens / wall,

@@ -103,16 +103,16 @@ pub mod fallback {
     use super::StochasticRounding;
     use crate::scaler::kernels::fallback::s;
 
-    fn int<B: Backend>(v: i64) -> burn_backend::Scalar {
+    fn int(v: i64) -> burn_backend::Scalar {
         burn_backend::Scalar::Int(v)
     }
 
     /// `mix16` of the kernels.
     fn mix16<B: Backend>(x: IntTensor<B>) -> IntTensor<B> {
-        let x = B::bitwise_xor(x.clone(), B::bitwise_right_shift_scalar(x, int::<B>(7)));
-        let x = B::int_add_scalar(B::int_mul_scalar(x, int::<B>(0x5BD1)), int::<B>(0x3C6F));
-        let x = B::bitwise_and_scalar(x, int::<B>(0xFFFF));
-        B::bitwise_xor(x.clone(), B::bitwise_right_shift_scalar(x, int::<B>(9)))
+        let x = B::bitwise_xor(x.clone(), B::bitwise_right_shift_scalar(x, int(7)));
+        let x = B::int_add_scalar(B::int_mul_scalar(x, int(0x5BD1)), int(0x3C6F));
+        let x = B::bitwise_and_scalar(x, int(0xFFFF));
+        B::bitwise_xor(x.clone(), B::bitwise_right_shift_scalar(x, int(9)))
     }
 
     /// `random16(seed, step, index)` of the kernels for every element of `shape`, as f32 in
@@ -130,12 +130,12 @@ pub mod fallback {
         let step = B::float_reshape(step, ones);
         let step = B::int_expand(B::float_into_int(step, dtype), shape.clone());
         let seed = seed as i64;
-        let low = |t: IntTensor<B>| B::bitwise_and_scalar(t, int::<B>(0xFFFF));
-        let high = |t: IntTensor<B>| B::bitwise_right_shift_scalar(t, int::<B>(16));
-        let h = B::bitwise_xor_scalar(B::bitwise_xor(step.clone(), index.clone()), int::<B>(seed));
+        let low = |t: IntTensor<B>| B::bitwise_and_scalar(t, int(0xFFFF));
+        let high = |t: IntTensor<B>| B::bitwise_right_shift_scalar(t, int(16));
+        let h = B::bitwise_xor_scalar(B::bitwise_xor(step.clone(), index.clone()), int(seed));
         let h = mix16::<B>(low(h));
         let h = mix16::<B>(B::bitwise_xor(h, high(index.clone())));
-        let h = B::bitwise_xor_scalar(B::bitwise_xor(h, high(step)), int::<B>(seed >> 16));
+        let h = B::bitwise_xor_scalar(B::bitwise_xor(h, high(step)), int(seed >> 16));
         let h = mix16::<B>(h);
         let h = mix16::<B>(B::bitwise_xor(h, low(index)));
         B::int_into_float(h, FloatDType::F32)

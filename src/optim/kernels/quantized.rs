@@ -155,6 +155,8 @@ pub(super) mod cube {
     }
 
     type Cube<R, F, I, BT> = CubeBackend<R, F, I, BT>;
+    /// The step's outputs: the parameter and its state.
+    type Outputs<C> = (FloatTensor<C>, MomentsOf<C>);
 
     pub(crate) fn adamw8bit_step<
         R: CubeRuntime,
@@ -168,7 +170,7 @@ pub(super) mod cube {
         scaling: Scaling<FloatTensor<Cube<R, F, I, BT>>>,
         lr: f32,
         c: &FusedAdamWConfig,
-    ) -> (FloatTensor<Cube<R, F, I, BT>>, MomentsOf<Cube<R, F, I, BT>>) {
+    ) -> Outputs<Cube<R, F, I, BT>> {
         let n = param.meta.num_elements();
         assert_eq!(
             param.meta.shape(),
