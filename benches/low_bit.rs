@@ -139,6 +139,89 @@ fn train(variant: Variant, config: &TinyLmConfig, steps: usize, batch: usize, lr
     }
 }
 
+/// One optimizer step on one parameter of `n` values through the kernels on wgpu (lavapipe):
+/// f32 AdamW, 8-bit AdamW, and each with an f16 parameter rounded stochastically. Side by
+/// side, alternating, median of `rounds`, after a warm-up (kernel compilation).
+fn kernel_times(n: usize, rounds: usize) -> Option<Vec<(&'static str, f64)>> {
+    use burn::backend::Wgpu;
+    use burn_amp::optim::OptimKernels;
+    use burn_amp::optim::kernels::{AdamWMoments, QuantizedMoments, Scaling};
+    use burn_backend::Backend as _;
+    use burn_backend::ops::IntTensorOps;
+    use burn_std::{IntDType, Shape};
+    type W = Wgpu;
+    let device = common::wgpu_device()?;
+    let p = |t: Tensor<W, 1>| t.into_primitive().tensor();
+    let param = |dtype: FloatDType| p(Tensor::<W, 1>::ones([n], &device).cast(dtype));
+    let scaling = || Scaling {
+        inv_scale: p(Tensor::<W, 1>::ones([1], &device)),
+        found_inf: p(Tensor::<W, 1>::zeros([1], &device)),
+    };
+    let f32_state = || AdamWMoments {
+        exp_avg: p(Tensor::<W, 1>::zeros([n], &device)),
+        exp_avg_sq: p(Tensor::<W, 1>::zeros([n], &device)),
+        step: p(Tensor::<W, 1>::zeros([1], &device)),
+    };
+    let int8_state = || QuantizedMoments {
+        exp_avg_codes: W::int_zeros(Shape::new([n / 4]), &device, IntDType::I32),
+        exp_avg_absmax: p(Tensor::<W, 1>::zeros([n / 256], &device)),
+        exp_avg_sq_codes: W::int_zeros(Shape::new([n / 4]), &device, IntDType::I32),
+        exp_avg_sq_absmax: p(Tensor::<W, 1>::zeros([n / 256], &device)),
+        step: p(Tensor::<W, 1>::zeros([1], &device)),
+        block: 256,
+        map: QuantMap::Dynamic,
+    };
+    let grad = p(Tensor::<W, 1>::ones([n], &device));
+    let nearest = FusedAdamWConfig::new();
+    let stochastic = FusedAdamWConfig::new().with_weight_rounding(WeightRounding::Stochastic);
+    let cases: [(&'static str, FloatDType, bool, &FusedAdamWConfig); 4] = [
+        ("f32 AdamW, f32 param", FloatDType::F32, false, &nearest),
+        ("8-bit AdamW, f32 param", FloatDType::F32, true, &nearest),
+        (
+            "f32 AdamW, f16 param, stochastic",
+            FloatDType::F16,
+            false,
+            &stochastic,
+        ),
+        (
+            "8-bit AdamW, f16 param, stochastic",
+            FloatDType::F16,
+            true,
+            &stochastic,
+        ),
+    ];
+    let mut times = vec![Vec::new(); cases.len()];
+    for round in 0..rounds + 2 {
+        for (i, (_, dtype, int8, c)) in cases.iter().enumerate() {
+            let (pt, g, sc) = (param(*dtype), grad.clone(), scaling());
+            let (s32, s8) = if *int8 {
+                (None, Some(int8_state()))
+            } else {
+                (Some(f32_state()), None)
+            };
+            W::sync(&device).unwrap();
+            let start = Instant::now();
+            let out = match (s32, s8) {
+                (Some(s), _) => W::adamw_step(pt, g, s, sc, 1e-3, c).0,
+                (_, Some(s)) => W::adamw8bit_step(pt, g, s, sc, 1e-3, c).0,
+                _ => unreachable!(),
+            };
+            W::sync(&device).unwrap();
+            if round >= 2 {
+                times[i].push(start.elapsed());
+            }
+            drop(out);
+        }
+    }
+    Some(
+        cases
+            .iter()
+            .zip(times)
+            .map(|((name, ..), t)| (*name, common::median(t).as_secs_f64() * 1e3))
+            .collect(),
+    )
+}
+
 fn main() {
     let args: Vec<String> = std::env::args().collect();
     let full = args.iter().any(|a| a == "--bench" || a == "--full");
@@ -204,8 +287,27 @@ fn main() {
             r.ms_per_step / base.ms_per_step
         ));
     }
+    let n = if full { 1 << 22 } else { 1 << 16 };
+    let kernels = kernel_times(n, if full { 10 } else { 2 }).unwrap_or_default();
+    let mut kernel_json = Vec::new();
+    if let Some((_, base)) = kernels.first().copied() {
+        println!();
+        println!(
+            "One optimizer step on one parameter of {n} values, kernels on wgpu (lavapipe), median"
+        );
+        println!("| step | ms | / f32 AdamW |");
+        println!("|---|---|---|");
+        for (name, ms) in &kernels {
+            println!("| {name} | {ms:.2} | {:.2} |", ms / base);
+            kernel_json.push(format!(
+                "{{\"step\":\"{name}\",\"ms\":{ms:.3},\"ratio\":{:.4}}}",
+                ms / base
+            ));
+        }
+    }
     report::emit(&format!(
-        "{{\"bench\":\"low_bit\",\"steps\":{steps},\"rows\":[{}]}}",
-        json.join(",")
+        "{{\"bench\":\"low_bit\",\"steps\":{steps},\"rows\":[{}],\"kernel_values\":{n},\"kernels\":[{}]}}",
+        json.join(","),
+        kernel_json.join(",")
     ));
 }

@@ -73,6 +73,8 @@ pub struct Run<'a, B: AutodiffBackend> {
     pub checkpoint: bool,
     pub resume: Option<usize>,
     pub monitor: Option<ScalerMonitor>,
+    /// Store the trainable weights in this dtype (`MemorySaving::prepare`).
+    pub weights: Option<burn::tensor::FloatDType>,
 }
 
 impl<'a, B: AutodiffBackend> Run<'a, B> {
@@ -86,6 +88,7 @@ impl<'a, B: AutodiffBackend> Run<'a, B> {
             checkpoint: false,
             resume: None,
             monitor: None,
+            weights: None,
         }
     }
 }
@@ -115,6 +118,12 @@ where
     B::seed(&run.device, 5);
     let model = Classifier {
         mlp: Mlp::new(D_IN, 32, CLASSES, &run.device),
+    };
+    let model = match run.weights {
+        Some(dtype) => burn_amp::MemorySaving::new()
+            .with_weights(dtype)
+            .prepare(model),
+        None => model,
     };
     let train = DataLoaderBuilder::<B, _, _>::new(BlobBatcher)
         .batch_size(BATCH)

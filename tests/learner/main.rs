@@ -171,6 +171,52 @@ fn the_scaler_adds_no_host_read_to_the_training_thread() {
     assert_eq!(f16_reads, f32_reads, "the f16 scaler read from the device");
 }
 
+/// `MemorySaving` under `Learner`, behind the same `AmpOptimizer`: bf16 weights, 8-bit moments
+/// (every tensor of this small model), stochastic rounding. It trains like f32 weights with
+/// the f32 fused AdamW, and the weights stay bf16.
+#[test]
+fn memory_saving_under_learner_trains_like_f32() {
+    use burn_amp::optim::{MomentStorage, QuantMap};
+    let _s = serial();
+    let f32_run = {
+        let _g = autocast(Precision::F32);
+        let adamw = FusedAdamWConfig::new().init::<F, Classifier<F>>().unwrap();
+        fit(
+            Run::<F>::new("saving-f32", Default::default()),
+            wrapped(adamw),
+        )
+    };
+    let saving = burn_amp::MemorySaving::new().with_optimizer(
+        FusedAdamWConfig::memory_saving().with_moments(MomentStorage::Int8 {
+            block: 256,
+            map: QuantMap::Dynamic,
+            min_numel: 64,
+        }),
+    );
+    let saved = {
+        let _g = autocast(Precision::Bf16);
+        let mut run = Run::<F>::new("saving", Default::default());
+        run.weights = Some(saving.weights);
+        fit(
+            run,
+            wrapped(saving.optimizer::<F, Classifier<F>>().unwrap()),
+        )
+    };
+    let (l32, l8) = (f32_run.metrics.series("Loss"), saved.metrics.series("Loss"));
+    let (end32, end8) = (mean_tail(&l32, 4), mean_tail(&l8, 4));
+    eprintln!(
+        "Learner: loss {:.4} -> f32 AdamW {end32:.4}, MemorySaving {end8:.4}",
+        l8[0]
+    );
+    assert!(end32 < 0.5 * l32[0], "f32 did not train");
+    assert!(
+        (end8 - end32).abs() < 0.05 + 0.1 * end32,
+        "MemorySaving ends at {end8}, f32 AdamW at {end32}"
+    );
+    assert_eq!(saved.param_dtypes, [DType::BF16, DType::BF16]);
+    assert!(saved.params.iter().all(|p| p.is_finite()));
+}
+
 #[test]
 fn poisoned_batches_are_exactly_the_skipped_steps() {
     let _s = serial();
