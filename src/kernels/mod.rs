@@ -3,7 +3,8 @@
 //!
 //! - [`ScalerKernels`](crate::scaler::ScalerKernels): the inf/NaN check, unscaling, the scale
 //!   update;
-//! - [`OptimKernels`](crate::optim::OptimKernels): the fused AdamW and SGD steps;
+//! - [`OptimKernels`](crate::optim::OptimKernels): the fused AdamW (f32 or 8-bit moments,
+//!   optionally rounding stochastically into half-precision parameters) and SGD steps;
 //! - [`AccumKernels`](crate::accumulate::AccumKernels): `acc += grad × weight` in f32.
 //!
 //! [`AmpKernels`] is their sum. CubeCL backends (`CubeBackend`, and the `Fusion<CubeBackend>`

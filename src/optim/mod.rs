@@ -7,11 +7,14 @@
 //! records (Burn's `AdaptorRecord`), handing each parameter the step's scale signals. Both
 //! optimizers also work inside Burn's own `OptimizerAdaptor`, unscaled.
 //!
-//! State is f32 whatever the parameter's dtype, and every parameter keeps its own step count
+//! State is f32 whatever the parameter's dtype (or, for AdamW, 8-bit block-wise codes:
+//! [`MomentStorage::Int8`], see [`quantized`]), and every parameter keeps its own step count
 //! (a device scalar: skipped steps do not count), as PyTorch and Burn do. The update is
 //! computed in f32 and rounded once to the parameter's dtype: a half-precision parameter has
-//! **no f32 master copy**, so updates smaller than its rounding step are lost. Keep trainable
-//! parameters in f32 (what `Amp<B>` does: it casts per op) unless memory forces otherwise.
+//! **no f32 master copy**, so updates under half its rounding step are lost when it rounds to
+//! nearest. Keep trainable parameters in f32 (what `Amp<B>` does: it casts per op), or let
+//! AdamW round stochastically ([`WeightRounding::Stochastic`], see [`rounding`]); the
+//! [`MemorySaving`] preset does the latter with 8-bit moments: about 6 bytes per parameter.
 
 mod adamw;
 mod adaptor;

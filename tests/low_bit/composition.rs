@@ -169,6 +169,7 @@ fn a_skipped_step_leaves_weights_moments_and_the_stream_untouched() {
 /// step counts and the configuration's seed.
 #[test]
 fn a_record_resumes_bit_for_bit_through_a_half_precision_recorder() {
+    let _s = serial();
     common::big_stack(|| {
         let device = Default::default();
         let _g = autocast(Precision::Bf16);
@@ -301,6 +302,7 @@ fn composes_with_accumulation_frozen_parts_and_the_scaler() {
 /// here exactly.
 #[test]
 fn bytes_per_parameter_from_the_memory_report() {
+    let _s = serial();
     common::big_stack(|| {
         let (weights, biases, tensors) = (3 * 65536u64, 3 * 256u64, 6u64);
         let n = weights + biases;
@@ -363,6 +365,17 @@ fn bytes_per_parameter_from_the_memory_report() {
                 (bpp - want).abs() < 1e-9,
                 "{name}: {bpp} bytes per parameter, want {want}"
             );
+            // The advice proposes what is not on yet, for the largest row.
+            let advice: Vec<String> = report.advice().into_iter().map(|a| a.action).collect();
+            let proposes = |what: &str| advice.iter().any(|a| a.contains(what));
+            match name {
+                "f32 AdamW" => assert!(proposes("8-bit AdamW"), "{name}: {advice:?}"),
+                "8-bit AdamW" => assert!(proposes("bf16 weights"), "{name}: {advice:?}"),
+                _ => assert!(
+                    !proposes("8-bit AdamW") && !proposes("bf16 weights"),
+                    "{name}: {advice:?}"
+                ),
+            }
             figures.push((name, bpp));
             eprintln!("{name}: {bpp:.4} bytes per parameter\n{report}");
         }

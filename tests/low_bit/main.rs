@@ -14,8 +14,9 @@
 //!   and 8-bit AdamW with bf16 weights, same seeds; bf16 weights rounded to nearest fall
 //!   behind.
 //!
-//! The `AmpOptimizer` tests of this binary take turns ([`serial`]): one is installed per
-//! backend type, process-wide.
+//! The tests that install an `AmpOptimizer` (one per backend type, process-wide) or draw from
+//! the backend's seeded generator (process-wide too: a model initialised on another thread
+//! between a seed and its model would change that model) take turns ([`serial`]).
 
 #[path = "../common/mod.rs"]
 mod common;
@@ -31,7 +32,7 @@ use burn::prelude::*;
 
 static SERIAL: Mutex<()> = Mutex::new(());
 
-/// One test at a time where an `AmpOptimizer` is installed.
+/// One test at a time where an `AmpOptimizer` is installed or a model is initialised.
 fn serial() -> MutexGuard<'static, ()> {
     SERIAL.lock().unwrap_or_else(|e| e.into_inner())
 }
