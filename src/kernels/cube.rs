@@ -115,14 +115,23 @@ pub(crate) fn output_for<R: CubeRuntime>(
     if input.can_mut() && input.is_nonoverlapping() {
         (input.clone(), input.as_linear_view_alias(input_pos))
     } else {
-        let out = empty_device_dtype(
-            input.client.clone(),
-            input.device.clone(),
-            input.shape(),
-            input.dtype,
-        );
+        let out = empty_like(input, input.dtype);
         let view = out.clone().into_linear_view();
         (out, view)
+    }
+}
+
+/// [`output_for`] as a plain tensor argument, for kernels that index a contiguous buffer
+/// directly (in place only when `input` is contiguous).
+pub(crate) fn tensor_output_for<R: CubeRuntime>(
+    input: &CubeTensor<R>,
+    input_pos: usize,
+) -> (CubeTensor<R>, TensorArg<R>) {
+    if input.can_mut() && input.is_contiguous() {
+        (input.clone(), input.as_tensor_alias(input_pos))
+    } else {
+        let out = empty_like(input, input.dtype);
+        (out.clone(), out.into_tensor_arg())
     }
 }
 

@@ -137,7 +137,7 @@ pub mod fallback {
     use crate::scaler::kernels::fallback::{s, select, to_f32};
 
     /// `found_inf` broadcast to `shape`, as the skip mask.
-    fn skip_mask<B: Backend>(
+    pub(crate) fn skip_mask<B: Backend>(
         found_inf: &FloatTensor<B>,
         shape: &Shape,
     ) -> burn_backend::tensor::BoolTensor<B> {

@@ -33,13 +33,13 @@ pub struct QuantizedMoments<F, I> {
 /// without CubeCL run.
 pub mod fallback {
     use burn_backend::tensor::FloatTensor;
-    use burn_backend::{Backend, TensorMetadata, get_device_settings};
+    use burn_backend::{Backend, TensorMetadata};
 
     use super::{MomentsOf, QuantizedMoments};
     use crate::optim::FusedAdamWConfig;
+    use crate::optim::kernels::fallback::skip_mask;
     use crate::optim::kernels::{AdamWMoments, Scaling};
     use crate::optim::quantized::fallback::{dequantize, quantize};
-    use crate::scaler::kernels::fallback::s;
 
     /// See [`OptimKernels::adamw8bit_step`](crate::optim::OptimKernels::adamw8bit_step): the
     /// f32 AdamW fallback between a dequantization and a quantization.
@@ -75,24 +75,18 @@ pub mod fallback {
         };
         let found_inf = scaling.found_inf.clone();
         let (param, next) =
-            super::super::fallback::adamw_step::<B>(param, grad, moments, scaling, lr, c);
+            crate::optim::kernels::fallback::adamw_step::<B>(param, grad, moments, scaling, lr, c);
         let (m_codes, m_absmax) = quantize::<B>(next.exp_avg, state.block, signed);
         let (v_codes, v_absmax) =
             quantize::<B>(B::float_sqrt(next.exp_avg_sq), state.block, unsigned);
         // A skipped step keeps the old codes and maxima (requantizing the dequantized values
         // need not give them back bit for bit).
-        let device = B::float_device(&found_inf);
-        let bool_dtype = get_device_settings::<B>(&device).bool_dtype;
-        let skip = |like_shape: burn_std::Shape| {
-            let flag = B::float_expand(found_inf.clone(), like_shape);
-            B::float_greater_elem(flag, s(0.5), bool_dtype)
-        };
         let keep_int = |new, old: burn_backend::tensor::IntTensor<B>| {
-            let mask = skip(old.shape());
+            let mask = skip_mask::<B>(&found_inf, &old.shape());
             B::int_mask_where(new, mask, old)
         };
         let keep_float = |new, old: FloatTensor<B>| {
-            let mask = skip(old.shape());
+            let mask = skip_mask::<B>(&found_inf, &old.shape());
             B::float_mask_where(new, mask, old)
         };
         let state = QuantizedMoments {
@@ -108,51 +102,20 @@ pub mod fallback {
 }
 
 pub(super) mod cube {
+    use burn_backend::DType;
     use burn_backend::tensor::FloatTensor;
-    use burn_backend::{DType, TensorData, TensorMetadata};
     use burn_cubecl::kernel::into_contiguous;
-    use burn_cubecl::ops::numeric::empty_device_dtype;
-    use burn_cubecl::tensor::CubeTensor;
     use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElement};
     use cubecl::calculate_cube_count_elemwise;
     use cubecl::prelude::*;
 
     use super::{MomentsOf, QuantizedMoments};
-    use crate::kernels::cube::{assert_f32, empty_scalar_f32, scalar_f32};
+    use crate::kernels::cube::{assert_f32, empty_scalar_f32, scalar_f32, tensor_output_for};
     use crate::kernels::cubecl_kernels::quantized as k;
     use crate::optim::FusedAdamWConfig;
     use crate::optim::kernels::{AdamWConstants, Scaling};
+    use crate::optim::quantized::fallback::table;
     use crate::optim::rounding::{StochasticRounding, kernel_args};
-
-    /// An output for `input` (argument `pos`): in place when its buffer may be mutated.
-    fn output_for<R: CubeRuntime>(
-        input: &CubeTensor<R>,
-        pos: usize,
-    ) -> (CubeTensor<R>, TensorArg<R>) {
-        if input.can_mut() && input.is_contiguous() {
-            (input.clone(), input.as_tensor_alias(pos))
-        } else {
-            let out = empty_device_dtype(
-                input.client.clone(),
-                input.device.clone(),
-                input.shape(),
-                input.dtype,
-            );
-            (out.clone(), out.into_tensor_arg())
-        }
-    }
-
-    fn table<R: CubeRuntime>(values: &[f32; 256], like: &CubeTensor<R>) -> CubeTensor<R> {
-        let data = TensorData::new(values.to_vec(), [256]);
-        let handle = like.client.create_from_slice(data.as_bytes());
-        CubeTensor::new_contiguous(
-            like.client.clone(),
-            like.device.clone(),
-            burn_std::Shape::new([256]),
-            handle,
-            DType::F32,
-        )
-    }
 
     type Cube<R, F, I, BT> = CubeBackend<R, F, I, BT>;
     /// The step's outputs: the parameter and its state.
@@ -216,17 +179,18 @@ pub(super) mod cube {
         let count = calculate_cube_count_elemwise(&client, blocks * words_per_block, dim);
         let dtypes = [param.dtype.into(), grad.dtype.into()];
         // Argument positions of the aliased inputs: param 0, codes 2 and 4, maxima 3 and 5.
-        let (p_out, p_arg) = output_for(&param, 0);
-        let (mc_out, mc_arg) = output_for(&m_codes, 2);
-        let (ma_out, ma_arg) = output_for(&m_absmax, 3);
-        let (vc_out, vc_arg) = output_for(&v_codes, 4);
-        let (va_out, va_arg) = output_for(&v_absmax, 5);
+        let (p_out, p_arg) = tensor_output_for(&param, 0);
+        let (mc_out, mc_arg) = tensor_output_for(&m_codes, 2);
+        let (ma_out, ma_arg) = tensor_output_for(&m_absmax, 3);
+        let (vc_out, vc_arg) = tensor_output_for(&v_codes, 4);
+        let (va_out, va_arg) = tensor_output_for(&v_absmax, 5);
         let step_out = empty_scalar_f32(&param);
+        let table = |values| table::<Cube<R, F, I, BT>>(values, &param.device);
         let tables = [
-            table(&signed.values, &param),
-            table(&signed.bounds, &param),
-            table(&unsigned.values, &param),
-            table(&unsigned.bounds, &param),
+            table(&signed.values),
+            table(&signed.bounds),
+            table(&unsigned.values),
+            table(&unsigned.bounds),
         ];
         let [sv, sb, uv, ub] = tables;
         // SAFETY: every index is below the bound checked before it (`numel` for the
