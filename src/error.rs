@@ -24,6 +24,17 @@ pub enum AmpError {
         /// `F32` (autocast off).
         alternative: Precision,
     },
+    /// Anomaly mode found an op that created inf/NaN (see [`crate::doctor::detect_anomaly`]).
+    #[error("an op created inf/NaN: {0}")]
+    Anomaly(Box<crate::doctor::Anomaly>),
+    /// A precision report was asked for while an `AmpOptimizer` is installed for the backend:
+    /// its scale would multiply the loss on top of the report's.
+    #[error(
+        "PrecisionReport::measure runs its own loss scale, and an AmpOptimizer installed for \
+         this backend would scale the loss again: measure before creating the AmpOptimizer \
+         (or after dropping it), passing its scale (`optim.scale()`) as `loss_scale`"
+    )]
+    ReportUnderOptimizer,
 }
 
 fn off_note(alternative: &Precision) -> &'static str {

@@ -35,6 +35,7 @@
 pub mod accumulate;
 pub mod amp_optimizer;
 pub mod backend;
+pub mod doctor;
 pub mod error;
 pub mod frozen;
 pub mod grads;
@@ -47,6 +48,7 @@ pub mod scaler;
 pub use accumulate::{GradientAccumulation, GradientAccumulationConfig, Reduction};
 pub use amp_optimizer::{AmpOptimizer, AmpOptimizerError};
 pub use backend::{Amp, host_reads};
+pub use doctor::{PrecisionReport, detect_anomaly, detect_nan};
 pub use error::AmpError;
 pub use frozen::{Frozen, freeze};
 pub use kernels::AmpKernels;

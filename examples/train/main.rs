@@ -3,6 +3,8 @@
 //! ```sh
 //! cargo run --release --example train                         # Flex (CPU), bf16
 //! cargo run --release --example train -- --precision f16 --inject-nan-at 30,31
+//! cargo run --example train -- --precision f16 --inject-nan-at 5 --anomaly  # names the op
+//! cargo run --release --example train -- --precision f16 --precision-report
 //! cargo run --release --example train -- --accum 4 --micro-batch 16   # effective batch 64
 //! cargo run --release --example train -- --freeze embeddings --checkpointing
 //! cargo run --release --example train -- --steps 150 --save run    # writes run.mpk
@@ -42,6 +44,7 @@ use burn::record::{FullPrecisionSettings, NamedMpkFileRecorder, Record, Recorder
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::{FloatDType, Transaction};
 use burn_amp::accumulate::GradientAccumulationRecord;
+use burn_amp::doctor::AnomalyGuard;
 use burn_amp::kernels::AmpKernels;
 use burn_amp::memory::{
     DeviceMemory, MemoryReport, PeakMemory, StepMemory, parameter_bytes, trainable_values,
@@ -49,7 +52,8 @@ use burn_amp::memory::{
 use burn_amp::optim::{FusedAdamW, FusedAdamWConfig, MomentStorage, ScaledAdaptor, WeightRounding};
 use burn_amp::scaler::{GradScalerConfig, GradScalerRecord};
 use burn_amp::{
-    Amp, AmpOptimizer, GradientAccumulation, MemorySaving, Precision, autocast, freeze, host_reads,
+    Amp, AmpError, AmpOptimizer, GradientAccumulation, MemorySaving, Precision, PrecisionReport,
+    autocast, detect_anomaly, freeze, host_reads,
 };
 use clap::{Parser, ValueEnum};
 use indicatif::{ProgressBar, ProgressStyle};
@@ -82,9 +86,18 @@ struct Args {
     /// Seed of the model and the data.
     #[arg(long, default_value_t = 42)]
     seed: u64,
-    /// Steps whose gradients get a NaN, to show the scaler skipping them (needs f16).
+    /// Steps whose gradients get a NaN, to show the scaler skipping them (needs f16), or with
+    /// --anomaly, to show anomaly mode naming the op that made it (any precision).
     #[arg(long, value_delimiter = ',')]
     inject_nan_at: Vec<usize>,
+    /// Anomaly mode: every float op's output is checked for inf/NaN; the run stops at the first
+    /// op that creates one and names it (op, dtype, shapes, the line that called it).
+    #[arg(long)]
+    anomaly: bool,
+    /// Print the precision report of one step (f32 against --precision, op by op, and the
+    /// gradients' underflow at the initial loss scale) as a table and a JSON line, and exit.
+    #[arg(long)]
+    precision_report: bool,
     /// Model width.
     #[arg(long, default_value_t = 64)]
     d_model: usize,
@@ -304,10 +317,11 @@ where
         )
         .into());
     }
-    if !args.inject_nan_at.is_empty() && !precision.needs_loss_scaling() {
+    if !args.inject_nan_at.is_empty() && !precision.needs_loss_scaling() && !args.anomaly {
         return Err(format!(
             "--inject-nan-at shows the loss scaler skipping steps, and the scaler only runs at \
-             f16 (at {precision} a NaN would reach the weights): add --precision f16"
+             f16 (at {precision} a NaN would reach the weights): add --precision f16, or \
+             --anomaly to see the op that makes it named"
         )
         .into());
     }
@@ -336,6 +350,9 @@ where
                 .with_weight_rounding(args.weights.rounding())
                 .with_seed(args.seed),
         );
+    if args.precision_report {
+        return precision_report(&model, &task, precision, micro_batch);
+    }
     let adamw = storage.optimizer()?;
     // The one front door: at f16 `backward` scales the loss and `step` unscales, checks,
     // skips and updates the scale on the device; at bf16/f32 it passes through.
@@ -424,6 +441,8 @@ where
     }
     let reads_before = host_reads();
     let start = Instant::now();
+    // Checks every op from here on (one read back per op: slower, see README).
+    let anomaly = args.anomaly.then(detect_anomaly);
 
     for step in start_step..args.steps {
         // Reading a value back stalls the device until all queued work is done, so the loss,
@@ -479,6 +498,12 @@ where
             {
                 // The partial sums are largest just before the boundary call.
                 *sums = (*sums).max(optim.inner().buffer_bytes() as u64);
+            }
+            if let Some(found) = anomaly.as_ref().and_then(AnomalyGuard::report) {
+                bar.finish_and_clear();
+                println!("anomaly at step {step}:\n{found}");
+                println!("{}", serde_json::to_string(&found)?);
+                return Err(AmpError::Anomaly(Box::new(found)).into());
             }
             model = optim.try_step(args.lr, model, grads)?;
             if let Some(found_inf) = optim.last_found_inf() {
@@ -662,4 +687,30 @@ fn read_pending<B: Backend>(
         None => Vec::new(),
     };
     (losses, skipped)
+}
+
+/// `--precision-report`: one step of the first batch at f32 and at `precision`, op by op.
+fn precision_report<B: AutodiffBackend>(
+    model: &TinyLm<B>,
+    task: &ReversalTask,
+    precision: Precision,
+    micro_batch: usize,
+) -> Result<(), Error2> {
+    if !precision.is_low() {
+        return Err(
+            "--precision-report compares f32 with a half precision: add --precision \
+                    f16 or bf16"
+                .into(),
+        );
+    }
+    let device = model.devices()[0].clone();
+    // A copy of the task: the report's batch is the run's first.
+    let (x, y) = task.clone().batch::<B>(micro_batch, &device);
+    let scale = GradScalerConfig::new().init_scale;
+    let report = PrecisionReport::measure(model, precision, scale, |m: &TinyLm<B>| {
+        m.loss(x.clone(), y.clone())
+    })?;
+    println!("{}", report.table(12));
+    println!("{}", report.to_json());
+    Ok(())
 }

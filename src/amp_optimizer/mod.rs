@@ -280,6 +280,7 @@ where
         let (module, stepped, figures) = self.step_on(&device, lr, module, grads)?;
         self.monitor.sample(SamplePoint::StepEnd, &device);
         self.monitor.record(stepped, figures);
+        crate::doctor::step_boundary();
         Ok(module)
     }
 

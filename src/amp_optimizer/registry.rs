@@ -132,6 +132,12 @@ pub(crate) fn take_scaled_backwards(owner: u64, device: DeviceId) -> u64 {
 
 /// The root of `Amp<AB>`'s backward: `loss × scale` (in f32) when a scaler is installed for
 /// `Amp<AB>` and the thread's precision on the loss's device needs loss scaling, else `loss`.
+/// Whether an `AmpOptimizer` is installed for the autodiff backend `AB` (`Amp<..>`).
+pub(crate) fn is_installed<AB: 'static>() -> bool {
+    INSTALLED.load(Ordering::Acquire) != 0
+        && table().iter().any(|i| i.backend == TypeId::of::<AB>())
+}
+
 pub(crate) fn scale_root<AB: AutodiffBackend>(loss: FloatTensor<AB>) -> FloatTensor<AB> {
     if INSTALLED.load(Ordering::Acquire) == 0 {
         warn_if_unscaled_f16::<AB>(&loss);

@@ -25,8 +25,10 @@ macro_rules! forward_primitive {
 }
 
 /// Forwards each listed float op through the policy: the float inputs named in
-/// `=> [..]` (`t` a tensor, `opt` an `Option`, `vec` a `Vec`) are cast as
-/// `Op::name`'s category says, then `B` runs the op.
+/// `=> [..]` (`t` a tensor, `opt` an `Option`, `vec` a `Vec`; `s` a scalar operand, never
+/// cast) are cast as `Op::name`'s category says, then `B` runs the op. While a
+/// [doctor](crate::doctor) session is on, a probe sees the inputs and the output (off, it
+/// costs one atomic load).
 macro_rules! autocast_ops {
     ($($(#[$attr:meta])* fn $name:ident($($arg:ident: $ty:ty),* $(,)?) $(-> $ret:ty)?
         => [$($kind:ident $input:ident),* $(,)?];)*) => {$(
@@ -40,14 +42,38 @@ macro_rules! autocast_ops {
             $(autocast_input!(see $kind autocast $input);)*
             #[allow(unused_variables)]
             let target = autocast.target();
+            #[allow(unused_mut)]
+            let mut probe = $crate::doctor::Probe::<B>::start($crate::backend::policy::Op::$name);
+            if let Some(probe) = probe.as_mut() {
+                $(autocast_input!(probe $kind probe $input);)*
+                if probe.wants_shadow(target) {
+                    // The same op in f32 on the same inputs: what it loses in half precision.
+                    #[allow(unused_variables, clippy::clone_on_copy, clippy::redundant_clone, noop_method_call)]
+                    let shadow = {
+                        $(let $arg = ::core::clone::Clone::clone(&$arg);)*
+                        $(let $input = autocast_input!(shadow $kind $input);)*
+                        B::$name($($arg),*)
+                    };
+                    probe.shadow(&shadow);
+                }
+            }
             $(let $input = autocast_input!(cast $kind target $input);)*
-            B::$name($($arg),*)
+            #[allow(unused_variables)]
+            if let Some(probe) = probe.as_mut() {
+                $(autocast_input!(probe_cast $kind probe $input);)*
+            }
+            let out = B::$name($($arg),*);
+            if let Some(probe) = probe {
+                probe.finish(&out);
+            }
+            out
         }
     )*};
 }
 
-/// One float input of [`autocast!`]: observe it, or cast it.
+/// One float input of [`autocast_ops!`]: observe it, cast it, or show it to a probe.
 macro_rules! autocast_input {
+    (see s $cx:ident $x:ident) => {};
     (see t $cx:ident $x:ident) => {
         $cx.see(&$x)
     };
@@ -60,6 +86,9 @@ macro_rules! autocast_input {
         for x in &$x {
             $cx.see(x)
         }
+    };
+    (cast s $target:ident $x:ident) => {
+        $x
     };
     (cast t $target:ident $x:ident) => {
         $crate::backend::policy::cast::<B>($x, $target)
@@ -75,6 +104,50 @@ macro_rules! autocast_input {
                 .map(|x| $crate::backend::policy::cast::<B>(x, $target))
                 .collect(),
         }
+    };
+    (probe s $p:ident $x:ident) => {
+        $p.scalar(&$x)
+    };
+    (probe t $p:ident $x:ident) => {
+        $p.input(&$x)
+    };
+    (probe opt $p:ident $x:ident) => {
+        if let Some(x) = &$x {
+            $p.input(x)
+        }
+    };
+    (probe vec $p:ident $x:ident) => {
+        for x in &$x {
+            $p.input(x)
+        }
+    };
+    (probe_cast s $p:ident $x:ident) => {};
+    (probe_cast t $p:ident $x:ident) => {
+        $p.cast_input(&$x)
+    };
+    (probe_cast opt $p:ident $x:ident) => {
+        if let Some(x) = &$x {
+            $p.cast_input(x)
+        }
+    };
+    (probe_cast vec $p:ident $x:ident) => {
+        for x in &$x {
+            $p.cast_input(x)
+        }
+    };
+    (shadow s $x:ident) => {
+        $x
+    };
+    (shadow t $x:ident) => {
+        $crate::doctor::Probe::<B>::shadow_input(&$x)
+    };
+    (shadow opt $x:ident) => {
+        $x.as_ref().map($crate::doctor::Probe::<B>::shadow_input)
+    };
+    (shadow vec $x:ident) => {
+        $x.iter()
+            .map($crate::doctor::Probe::<B>::shadow_input)
+            .collect()
     };
 }
 

@@ -12,7 +12,7 @@ use crate::backend::macros::{autocast_input, autocast_ops};
 
 impl<B: Backend> ActivationOps<Self> for Amp<B> {
     autocast_ops! {
-        fn leaky_relu(tensor: FloatTensor<Self>, negative_slope: Scalar) -> FloatTensor<Self> => [t tensor];
+        fn leaky_relu(tensor: FloatTensor<Self>, negative_slope: Scalar) -> FloatTensor<Self> => [t tensor, s negative_slope];
         fn relu(tensor: FloatTensor<Self>) -> FloatTensor<Self> => [t tensor];
         fn relu_backward(output: FloatTensor<Self>, grad: FloatTensor<Self>) -> FloatTensor<Self> => [t output, t grad];
         fn gelu(tensor: FloatTensor<Self>) -> FloatTensor<Self> => [t tensor];
@@ -20,7 +20,7 @@ impl<B: Backend> ActivationOps<Self> for Amp<B> {
         fn gelu_backward(x: FloatTensor<Self>, grad: FloatTensor<Self>) -> FloatTensor<Self> => [t x, t grad];
         fn sigmoid(tensor: FloatTensor<Self>) -> FloatTensor<Self> => [t tensor];
         fn sigmoid_backward(output: FloatTensor<Self>, grad: FloatTensor<Self>) -> FloatTensor<Self> => [t output, t grad];
-        fn hard_sigmoid(tensor: FloatTensor<Self>, alpha: Scalar, beta: Scalar) -> FloatTensor<Self> => [t tensor];
+        fn hard_sigmoid(tensor: FloatTensor<Self>, alpha: Scalar, beta: Scalar) -> FloatTensor<Self> => [t tensor, s alpha, s beta];
         fn log_sigmoid(tensor: FloatTensor<Self>) -> FloatTensor<Self> => [t tensor];
         fn softmax(tensor: FloatTensor<Self>, dim: usize) -> FloatTensor<Self> => [t tensor];
         fn log_softmax(tensor: FloatTensor<Self>, dim: usize) -> FloatTensor<Self> => [t tensor];

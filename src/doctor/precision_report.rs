@@ -1,0 +1,593 @@
+//! The precision report: one step at f32 and under autocast, op by op.
+
+use core::fmt::{self, Write as _};
+
+use burn::module::{AutodiffModule, ModuleVisitor, Param};
+use burn::optim::GradientsParams;
+use burn::prelude::*;
+use burn::tensor::backend::AutodiffBackend;
+use burn_backend::TensorMetadata;
+use serde::Serialize;
+
+use super::{Installed, Session, category_name, host_values};
+use crate::backend::Op;
+use crate::error::AmpError;
+use crate::precision::{Precision, autocast};
+
+/// Values of the f32 run kept on the host for the comparison; beyond, ops are compared with
+/// their f32 shadow only.
+const REFERENCE_CAPACITY: usize = 1 << 26;
+
+/// A gradient this much smaller than the largest is rounding noise.
+const NEGLIGIBLE: f64 = 1e-6;
+
+/// f16's smallest subnormal and largest finite value.
+const F16_TINY: f64 = 5.960_464_5e-8;
+const F16_MAX: f64 = 65504.0;
+/// bf16's smallest subnormal and largest finite value.
+const BF16_TINY: f64 = 9.183_549_6e-41;
+const BF16_MAX: f64 = 3.389_531_4e38;
+
+/// What the report suggests for an op or a gradient.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Suggestion {
+    /// Nothing to do.
+    Fine,
+    /// Keep the op in f32: `let _f32 = autocast(Precision::F32);` around the call.
+    KeepInF32,
+    /// f16's range is the problem: bf16 has f32's.
+    UseBf16,
+    /// Gradients flush to zero at this loss scale: a larger initial scale (or bf16).
+    RaiseLossScale,
+    /// Gradients overflow at this loss scale: the scaler will skip steps until it halves.
+    LowerLossScale,
+}
+
+impl fmt::Display for Suggestion {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Suggestion::Fine => "-",
+            Suggestion::KeepInF32 => "keep in f32: `let _f32 = autocast(Precision::F32);`",
+            Suggestion::UseBf16 => "out of f16's range: bf16, or keep in f32",
+            Suggestion::RaiseLossScale => "raise the loss scale (or bf16)",
+            Suggestion::LowerLossScale => "lower the loss scale",
+        })
+    }
+}
+
+/// One op call of the autocast run.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct OpPrecision {
+    /// The op, as the backend trait's method.
+    pub op: &'static str,
+    /// Its policy category.
+    pub category: &'static str,
+    /// Its index among the float ops of the step.
+    pub call: usize,
+    /// The output's shape.
+    pub shape: Vec<usize>,
+    /// The output's dtype under autocast.
+    pub dtype: String,
+    /// Relative error (L2) of the output against the same op run in f32 on the same inputs:
+    /// what this op loses by itself. `None` where the op ran in f32.
+    pub own_error: Option<f64>,
+    /// Relative error (L2) against the f32 run's output: what has accumulated up to here.
+    /// `None` where the runs diverged or the f32 values were not kept.
+    pub error: Option<f64>,
+    /// Values nonzero in f32 and zero here.
+    pub underflow: f64,
+    /// Values finite in f32 and inf/NaN here.
+    pub overflow: f64,
+    /// Smallest nonzero |x| in f32.
+    pub min_abs: f64,
+    /// Largest |x| in f32.
+    pub max_abs: f64,
+    /// What to do.
+    pub suggestion: Suggestion,
+}
+
+/// One parameter's gradient.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct GradientPrecision {
+    /// The parameter's path in the module (`layers.0.attn.query.weight`).
+    pub parameter: String,
+    /// The gradient's shape.
+    pub shape: Vec<usize>,
+    /// The f32 run's gradient's L2 norm (unscaled): an error relative to a gradient near 0
+    /// says little.
+    pub norm: f64,
+    /// Relative error (L2) of the autocast run's gradient (unscaled) against the f32 run's.
+    pub error: f64,
+    /// Values nonzero in the f32 run and zero in the autocast run: underflow, measured.
+    pub underflow: f64,
+    /// Values that would underflow the half dtype once multiplied by the loss scale.
+    pub underflow_at_scale: f64,
+    /// Values that would overflow the half dtype once multiplied by the loss scale.
+    pub overflow_at_scale: f64,
+    /// What to do.
+    pub suggestion: Suggestion,
+}
+
+/// One training step's precision, op by op: see [`PrecisionReport::measure`].
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct PrecisionReport {
+    /// The autocast precision compared with f32.
+    pub precision: Precision,
+    /// The loss scale both runs' backward used (1 unless f16).
+    pub loss_scale: f32,
+    /// The f32 run's loss.
+    pub loss_f32: f32,
+    /// The autocast run's loss.
+    pub loss: f32,
+    /// Every float op call of the autocast run, in order.
+    pub ops: Vec<OpPrecision>,
+    /// Every trainable parameter's gradient.
+    pub gradients: Vec<GradientPrecision>,
+    /// The call where the two runs stopped doing the same ops (data-dependent control flow),
+    /// after which ops are compared with their f32 shadow only.
+    pub diverged_at: Option<usize>,
+}
+
+impl PrecisionReport {
+    /// Runs one step twice on the same weights, at f32 and at `precision`: `loss_fn` makes
+    /// the loss from the model (same batch both times: capture it), `backward` runs on
+    /// `loss × loss_scale` (f16; 1 otherwise) in both runs, and nothing is updated.
+    ///
+    /// The generator is seeded alike before each run (dropout draws the same masks). Ops
+    /// are seen where they pass through `Amp`: the forward ops under `Amp<Autodiff<B>>`,
+    /// forward and backward under `Autodiff<Amp<B>>`. Run it before installing an
+    /// `AmpOptimizer` (or pass its `scale()`): an installed one would scale the loss again.
+    pub fn measure<B, M, F>(
+        model: &M,
+        precision: Precision,
+        loss_scale: f32,
+        mut loss_fn: F,
+    ) -> Result<Self, AmpError>
+    where
+        B: AutodiffBackend,
+        M: AutodiffModule<B>,
+        F: FnMut(&M) -> Tensor<B, 1>,
+    {
+        if crate::amp_optimizer::registry::is_installed::<B>() {
+            return Err(AmpError::ReportUnderOptimizer);
+        }
+        let loss_scale = if precision.needs_loss_scaling() {
+            loss_scale
+        } else {
+            1.0
+        };
+        let device = model.devices().into_iter().next();
+        let mut run = |session: Session, at: Precision| {
+            if let Some(device) = &device {
+                B::seed(device, 0x5EED);
+            }
+            let installed = Installed::new(session);
+            let _autocast = autocast(at);
+            let loss = loss_fn(model);
+            let grads = loss.clone().mul_scalar(loss_scale).backward();
+            let session = installed.take();
+            let loss = loss.into_data().convert::<f32>().to_vec::<f32>().unwrap()[0];
+            (session, loss, GradientsParams::from_grads(grads, model))
+        };
+        let (reference, loss_f32, grads_f32) =
+            run(Session::Reference(Reference::default()), Precision::F32);
+        let Some(Session::Reference(reference)) = reference else {
+            unreachable!("the reference session was installed for the run")
+        };
+        let (comparison, loss, grads) = run(
+            Session::Compare(Comparison::new(reference.outputs)),
+            precision,
+        );
+        let Some(Session::Compare(comparison)) = comparison else {
+            unreachable!("the comparison session was installed for the run")
+        };
+        let mut gradients = Gradients::<B> {
+            f32: grads_f32,
+            autocast: grads,
+            precision,
+            scale: loss_scale as f64,
+            path: Vec::new(),
+            rows: Vec::new(),
+            _backend: core::marker::PhantomData,
+        };
+        model.visit(&mut gradients);
+        // A gradient that is rounding noise in f32 too (a bias that a norm or a softmax
+        // cancels: ~1e-10) flushing to zero is no loss.
+        let largest = gradients.rows.iter().map(|g| g.norm).fold(0.0, f64::max);
+        for g in &mut gradients.rows {
+            if g.norm < NEGLIGIBLE * largest {
+                g.suggestion = Suggestion::Fine;
+            }
+        }
+        Ok(Self {
+            precision,
+            loss_scale,
+            loss_f32,
+            loss,
+            ops: comparison.rows,
+            gradients: gradients.rows,
+            diverged_at: comparison.diverged_at,
+        })
+    }
+
+    /// The ops that lose most: by own error, then by error against the f32 run.
+    pub fn worst(&self, n: usize) -> Vec<&OpPrecision> {
+        let mut ops: Vec<&OpPrecision> = self.ops.iter().collect();
+        let key = |o: &OpPrecision| {
+            (
+                o.overflow + o.underflow + o.own_error.unwrap_or(0.0),
+                o.error.unwrap_or(0.0),
+            )
+        };
+        ops.sort_by(|a, b| {
+            key(b)
+                .partial_cmp(&key(a))
+                .unwrap_or(core::cmp::Ordering::Equal)
+        });
+        ops.truncate(n);
+        ops
+    }
+
+    /// The report as one JSON line.
+    pub fn to_json(&self) -> String {
+        serde_json::to_string(self).expect("the report serializes")
+    }
+
+    /// The worst `n` ops and every gradient with something to fix, as markdown tables.
+    pub fn table(&self, n: usize) -> String {
+        let mut s = String::new();
+        let rel = |a: f32, b: f32| ((a - b) / a.abs().max(f32::MIN_POSITIVE)).abs();
+        let _ = writeln!(
+            s,
+            "precision report: {} against f32; loss {:.5} vs {:.5} (rel. diff {:.1e}); loss \
+             scale {}; {} op calls{}",
+            self.precision,
+            self.loss,
+            self.loss_f32,
+            rel(self.loss_f32, self.loss),
+            self.loss_scale,
+            self.ops.len(),
+            match self.diverged_at {
+                Some(at) => format!(" (the runs diverge at call {at})"),
+                None => String::new(),
+            }
+        );
+        let _ = writeln!(
+            s,
+            "\n| op | call | shape | dtype | own error | error vs f32 run | underflow | overflow \
+             | f32 |x| range | suggestion |\n|---|---|---|---|---|---|---|---|---|---|"
+        );
+        let e = |x: Option<f64>| x.map_or("-".to_string(), |x| format!("{x:.1e}"));
+        for o in self.worst(n) {
+            let _ = writeln!(
+                s,
+                "| {} ({}) | {} | {:?} | {} | {} | {} | {:.2}% | {:.2}% | {:.1e}..{:.1e} | {} |",
+                o.op,
+                o.category,
+                o.call,
+                o.shape,
+                o.dtype.to_lowercase(),
+                e(o.own_error),
+                e(o.error),
+                100.0 * o.underflow,
+                100.0 * o.overflow,
+                o.min_abs,
+                o.max_abs,
+                o.suggestion
+            );
+        }
+        let _ = writeln!(
+            s,
+            "\n| gradient | shape | f32 norm | error | underflow | underflow at scale | overflow at scale \
+             | suggestion |\n|---|---|---|---|---|---|---|---|"
+        );
+        // Those with a suggestion first, then by error; rounding noise (~0 in f32) last.
+        let largest = self.gradients.iter().map(|g| g.norm).fold(0.0, f64::max);
+        let key = |g: &GradientPrecision| {
+            (
+                g.suggestion != Suggestion::Fine,
+                g.norm >= NEGLIGIBLE * largest,
+                g.error,
+            )
+        };
+        let mut gradients: Vec<&GradientPrecision> = self.gradients.iter().collect();
+        gradients.sort_by(|a, b| {
+            key(b)
+                .partial_cmp(&key(a))
+                .unwrap_or(core::cmp::Ordering::Equal)
+        });
+        for g in gradients.iter().take(n) {
+            let _ = writeln!(
+                s,
+                "| {} | {:?} | {:.1e} | {:.1e} | {:.2}% | {:.2}% | {:.2}% | {} |",
+                g.parameter,
+                g.shape,
+                g.norm,
+                g.error,
+                100.0 * g.underflow,
+                100.0 * g.underflow_at_scale,
+                100.0 * g.overflow_at_scale,
+                g.suggestion
+            );
+        }
+        s
+    }
+}
+
+/// An op's output in the f32 run.
+struct Recorded {
+    op: Op,
+    shape: Vec<usize>,
+    values: Option<Vec<f32>>,
+}
+
+/// The f32 run's session: every float op's output.
+#[derive(Default)]
+pub(crate) struct Reference {
+    outputs: Vec<Recorded>,
+    kept: usize,
+}
+
+/// The autocast run's session: each op against the f32 run's and against its own f32 shadow.
+pub(crate) struct Comparison {
+    reference: Vec<Option<Recorded>>,
+    call: usize,
+    diverged_at: Option<usize>,
+    rows: Vec<OpPrecision>,
+}
+
+impl Comparison {
+    fn new(reference: Vec<Recorded>) -> Self {
+        Self {
+            reference: reference.into_iter().map(Some).collect(),
+            call: 0,
+            diverged_at: None,
+            rows: Vec::new(),
+        }
+    }
+}
+
+pub(crate) fn record<B: Backend>(op: Op, output: &B::FloatTensorPrimitive) {
+    let shape = output.shape().to_vec();
+    let n: usize = shape.iter().product();
+    let keep = super::with_session(|s| match s {
+        Session::Reference(r) => r.kept + n <= REFERENCE_CAPACITY,
+        _ => false,
+    })
+    .unwrap_or(false);
+    let values = keep.then(|| host_values::<B>(output));
+    super::with_session(|s| {
+        if let Session::Reference(r) = s {
+            r.kept += values.as_ref().map_or(0, Vec::len);
+            r.outputs.push(Recorded { op, shape, values });
+        }
+    });
+}
+
+pub(crate) fn compare<B: Backend>(
+    op: Op,
+    output: &B::FloatTensorPrimitive,
+    shadow: Option<&B::FloatTensorPrimitive>,
+) {
+    let shape = output.shape().to_vec();
+    let dtype = output.dtype();
+    let Some((call, reference)) = super::with_session(|s| match s {
+        Session::Compare(c) => {
+            let call = c.call;
+            c.call += 1;
+            let reference = match c.reference.get_mut(call).and_then(Option::take) {
+                Some(r) if c.diverged_at.is_none() && r.op == op && r.shape == shape => r.values,
+                _ => {
+                    c.diverged_at.get_or_insert(call);
+                    None
+                }
+            };
+            Some((call, reference))
+        }
+        _ => None,
+    })
+    .flatten() else {
+        return;
+    };
+    let values = host_values::<B>(output);
+    let shadow = shadow.map(|s| host_values::<B>(s));
+    // Underflow, overflow and range against what this op would give in f32: its shadow when
+    // it ran in a half dtype, else the f32 run.
+    let truth = shadow.as_deref().or(reference.as_deref());
+    let (underflow, overflow, min_abs, max_abs) = match truth {
+        Some(truth) => range_loss(truth, &values, smallest_normal(dtype)),
+        None => (0.0, 0.0, 0.0, 0.0),
+    };
+    let own_error = shadow.as_deref().map(|s| relative_error(s, &values));
+    let error = reference.as_deref().map(|r| relative_error(r, &values));
+    let half = match dtype {
+        burn_backend::DType::F16 => Some(f16_epsilon()),
+        burn_backend::DType::BF16 => Some(bf16_epsilon()),
+        _ => None,
+    };
+    let suggestion = match half {
+        Some(_) if overflow > 0.0 && dtype == burn_backend::DType::F16 => Suggestion::UseBf16,
+        Some(_) if underflow > 0.01 && dtype == burn_backend::DType::F16 => Suggestion::UseBf16,
+        // A few roundings of the dtype are expected; much more means cancellation or a long
+        // accumulation in half precision.
+        Some(eps) if own_error.unwrap_or(0.0) > 16.0 * eps => Suggestion::KeepInF32,
+        _ => Suggestion::Fine,
+    };
+    let row = OpPrecision {
+        op: op.name(),
+        category: category_name(op.category()),
+        call,
+        shape,
+        dtype: format!("{dtype:?}"),
+        own_error,
+        error,
+        underflow,
+        overflow,
+        min_abs,
+        max_abs,
+        suggestion,
+    };
+    super::with_session(|s| {
+        if let Session::Compare(c) = s {
+            c.rows.push(row);
+        }
+    });
+}
+
+fn smallest_normal(dtype: burn_backend::DType) -> f64 {
+    match dtype {
+        burn_backend::DType::F16 => f64::from(half::f16::MIN_POSITIVE),
+        burn_backend::DType::BF16 => f64::from(half::bf16::MIN_POSITIVE),
+        burn_backend::DType::F64 => f64::MIN_POSITIVE,
+        _ => f64::from(f32::MIN_POSITIVE),
+    }
+}
+
+fn f16_epsilon() -> f64 {
+    f64::from(half::f16::EPSILON)
+}
+
+fn bf16_epsilon() -> f64 {
+    f64::from(half::bf16::EPSILON)
+}
+
+/// ‖b − a‖ / ‖a‖ over the values finite in both (‖b − a‖ where a is all zero).
+fn relative_error(a: &[f32], b: &[f32]) -> f64 {
+    let (mut diff, mut norm) = (0.0f64, 0.0f64);
+    for (&a, &b) in a.iter().zip(b) {
+        if a.is_finite() && b.is_finite() {
+            let (a, b) = (f64::from(a), f64::from(b));
+            diff += (b - a) * (b - a);
+            norm += a * a;
+        }
+    }
+    if norm > 0.0 {
+        (diff / norm).sqrt()
+    } else {
+        diff.sqrt()
+    }
+}
+
+/// (underflow, overflow, min nonzero |truth|, max |truth|), the first two as fractions of all
+/// values. Underflow: a value below `smallest_normal` (where the dtype's range ends, not its
+/// precision) that became 0; a cancellation to 0 is an error, not an underflow.
+fn range_loss(truth: &[f32], values: &[f32], smallest_normal: f64) -> (f64, f64, f64, f64) {
+    let (mut under, mut over) = (0usize, 0usize);
+    let (mut lo, mut hi) = (f64::INFINITY, 0.0f64);
+    for (&t, &v) in truth.iter().zip(values) {
+        if !t.is_finite() {
+            continue;
+        }
+        let a = f64::from(t.abs());
+        if a > 0.0 {
+            lo = lo.min(a);
+            if v == 0.0 && a < smallest_normal {
+                under += 1;
+            }
+        }
+        hi = hi.max(a);
+        if !v.is_finite() {
+            over += 1;
+        }
+    }
+    let n = truth.len().max(1) as f64;
+    let lo = if lo.is_finite() { lo } else { 0.0 };
+    (under as f64 / n, over as f64 / n, lo, hi)
+}
+
+/// Compares each trainable parameter's gradient in the two runs.
+struct Gradients<B: AutodiffBackend> {
+    f32: GradientsParams,
+    autocast: GradientsParams,
+    precision: Precision,
+    scale: f64,
+    path: Vec<String>,
+    rows: Vec<GradientPrecision>,
+    _backend: core::marker::PhantomData<B>,
+}
+
+impl<B: AutodiffBackend> ModuleVisitor<B> for Gradients<B> {
+    fn enter_module(&mut self, name: &str, _container_type: &str) {
+        self.path.push(name.to_string());
+    }
+
+    fn exit_module(&mut self, _name: &str, _container_type: &str) {
+        self.path.pop();
+    }
+
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+        let (Some(reference), Some(grad)) = (
+            self.f32.get::<B::InnerBackend, D>(param.id),
+            self.autocast.get::<B::InnerBackend, D>(param.id),
+        ) else {
+            return;
+        };
+        let shape = reference.shape().to_vec();
+        let values = |t: Tensor<B::InnerBackend, D>| {
+            t.into_data()
+                .convert::<f32>()
+                .to_vec::<f32>()
+                .unwrap_or_default()
+        };
+        // Both runs' gradients are × scale; compared unscaled.
+        let unscale = 1.0 / self.scale as f32;
+        let reference: Vec<f32> = values(reference).iter().map(|g| g * unscale).collect();
+        let grad: Vec<f32> = values(grad).iter().map(|g| g * unscale).collect();
+        // The gradients are f32 here; what flushed them to zero is the half dtype upstream.
+        let (underflow, _, _, _) = range_loss(&reference, &grad, f64::INFINITY);
+        let (tiny, max) = match self.precision {
+            Precision::F16 => (F16_TINY, F16_MAX),
+            Precision::Bf16 => (BF16_TINY, BF16_MAX),
+            Precision::F32 => (0.0, f64::INFINITY),
+        };
+        let n = reference.len().max(1) as f64;
+        let scaled = |g: &f32| f64::from(g.abs()) * self.scale;
+        let under_at = reference
+            .iter()
+            .filter(|g| **g != 0.0 && scaled(g) < tiny)
+            .count() as f64
+            / n;
+        let over_at = reference.iter().filter(|g| scaled(g) > max).count() as f64 / n;
+        let suggestion = if over_at > 0.0 {
+            Suggestion::LowerLossScale
+        } else if self.precision.needs_loss_scaling() && (underflow > 0.01 || under_at > 0.01) {
+            Suggestion::RaiseLossScale
+        } else {
+            Suggestion::Fine
+        };
+        self.rows.push(GradientPrecision {
+            parameter: self.path.join("."),
+            shape,
+            norm: reference
+                .iter()
+                .map(|g| f64::from(*g) * f64::from(*g))
+                .sum::<f64>()
+                .sqrt(),
+            error: relative_error(&reference, &grad),
+            underflow,
+            underflow_at_scale: under_at,
+            overflow_at_scale: over_at,
+            suggestion,
+        });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn relative_error_and_range_loss() {
+        assert!((relative_error(&[3.0, 4.0], &[3.0, 4.5]) - 0.1).abs() < 1e-12);
+        assert_eq!(relative_error(&[0.0, 0.0], &[0.0, 0.0]), 0.0);
+        let (under, over, lo, hi) = range_loss(
+            &[1e-9, 2.0, 7e4, 0.0],
+            &[0.0, 0.0, f32::INFINITY, 0.0],
+            6.1e-5,
+        );
+        // 2.0 → 0 is cancellation (an error), not underflow.
+        assert_eq!((under, over), (0.25, 0.25));
+        assert!((lo - 1e-9).abs() < 1e-15 && (hi - 7e4).abs() < 1e-3);
+    }
+}

@@ -1,0 +1,235 @@
+use burn::backend::{Autodiff, Flex, Wgpu};
+use burn::prelude::*;
+use burn::tensor::backend::AutodiffBackend;
+use burn_amp::doctor::{Cause, Phase};
+use burn_amp::{Amp, AmpError, Precision, autocast, detect_anomaly, detect_nan};
+
+use crate::common::wgpu_device;
+
+type Above = Amp<Autodiff<Flex>>;
+type Below = Autodiff<Amp<Flex>>;
+
+fn tensor<B: Backend, const D: usize>(
+    values: &[f32],
+    shape: [usize; D],
+    device: &B::Device,
+) -> Tensor<B, D> {
+    Tensor::<B, 1>::from_floats(values, device).reshape(shape)
+}
+
+/// A matmul whose f16 result is 300 × 300 = 90000 > 65504, then ops that pass the inf on.
+fn overflowing_matmul<B: Backend>(device: &B::Device) -> Tensor<B, 2> {
+    let a = tensor::<B, 2>(&[300.0, 1.0, 2.0, 3.0], [2, 2], device);
+    let b = tensor::<B, 2>(&[300.0, 0.0, 0.0, 1.0], [2, 2], device);
+    let y = a.matmul(b); // the culprit
+    (y.clone() + 1.0).mul_scalar(2.0) - y.exp().log() // passed on
+}
+
+#[test]
+fn f16_matmul_overflow_is_named_with_its_dtype_and_the_callers_line() {
+    let device = Default::default();
+    let _amp = autocast(Precision::F16);
+    let guard = detect_anomaly();
+    let out = overflowing_matmul::<Above>(&device);
+    let anomaly = guard.report().expect("the overflow is reported");
+    assert_eq!(anomaly.op, "float_matmul");
+    assert_eq!(anomaly.category, "lower");
+    assert_eq!(anomaly.cause, Cause::Op);
+    assert_eq!(anomaly.phase, Phase::Forward);
+    assert_eq!(anomaly.output.dtype, "F16");
+    assert_eq!(anomaly.output.shape, vec![2, 2]);
+    assert!(anomaly.inputs.iter().all(|i| i.dtype == "F16"), "{anomaly}");
+    assert_eq!(anomaly.values.pos_inf, 1, "{anomaly}");
+    let frame = anomaly.user_frame().expect("a frame of the test's code");
+    assert!(frame.function.contains("overflowing_matmul"), "{anomaly}");
+    assert!(
+        frame
+            .location
+            .as_deref()
+            .is_some_and(|l| l.contains("tests/doctor/anomaly.rs")),
+        "{anomaly}"
+    );
+    assert!(anomaly.advice().contains("bf16"), "{}", anomaly.advice());
+    // The ops after it saw an inf input: passed on, not blamed.
+    assert!(
+        guard.ops_passing_it_on() >= 3,
+        "{}",
+        guard.ops_passing_it_on()
+    );
+    assert_eq!(guard.ops_creating_it(), 1);
+    assert!(matches!(guard.check(), Err(AmpError::Anomaly(_))));
+    let text = anomaly.to_string();
+    assert!(
+        text.contains("float_matmul") && text.contains("f16"),
+        "{text}"
+    );
+    drop(out);
+    // bf16 has f32's range: the same ops are healthy.
+    let _bf16 = autocast(Precision::Bf16);
+    guard.clear();
+    let out = {
+        let device = Default::default();
+        let a = tensor::<Above, 2>(&[300.0, 1.0, 2.0, 3.0], [2, 2], &device);
+        let b = tensor::<Above, 2>(&[300.0, 0.0, 0.0, 1.0], [2, 2], &device);
+        a.matmul(b)
+    };
+    assert!(guard.report().is_none(), "{:?}", guard.report());
+    drop(out);
+}
+
+#[test]
+fn autocasts_cast_above_65504_is_the_cause() {
+    let device = Default::default();
+    let _amp = autocast(Precision::F16);
+    let guard = detect_anomaly();
+    let x = tensor::<Above, 2>(&[70000.0, 1.0], [1, 2], &device);
+    let w = tensor::<Above, 2>(&[1.0, 1.0], [2, 1], &device);
+    let _y = x.matmul(w);
+    let anomaly = guard.finish().expect("reported");
+    assert_eq!(anomaly.op, "float_matmul");
+    assert_eq!(
+        anomaly.cause,
+        Cause::Cast {
+            input: 0,
+            from: "F32".into(),
+            to: "F16".into()
+        }
+    );
+    assert!(anomaly.advice().contains("range"), "{}", anomaly.advice());
+}
+
+fn exp_in_f16<B: Backend>(device: &B::Device) -> Tensor<B, 1> {
+    // The model computes in f16 itself; autocast is off, so `exp` runs in f16: e^12 > 65504.
+    let x = tensor::<B, 1>(&[1.0, 12.0, 2.0], [3], device).cast(burn::tensor::FloatDType::F16);
+    x.mul_scalar(1.0).exp().sum()
+}
+
+#[test]
+fn exp_of_large_activations_in_f16_is_named() {
+    let device = Default::default();
+    let _off = autocast(Precision::F32);
+    let guard = detect_anomaly();
+    let _ = exp_in_f16::<Above>(&device);
+    let anomaly = guard.finish().expect("reported");
+    assert_eq!(anomaly.op, "float_exp");
+    assert_eq!(anomaly.output.dtype, "F16");
+    assert_eq!(anomaly.values.pos_inf, 1);
+    assert!(
+        anomaly
+            .user_frame()
+            .unwrap()
+            .function
+            .contains("exp_in_f16"),
+        "{anomaly}"
+    );
+}
+
+#[test]
+fn log_of_a_negative_is_named_as_not_a_precision_problem() {
+    let device = Default::default();
+    let _amp = autocast(Precision::Bf16);
+    let guard = detect_nan();
+    let x = tensor::<Above, 1>(&[1.0, -2.0, 0.0], [3], &device);
+    // log(0) = -inf passes under `detect_nan`; log(-2) = NaN is named.
+    let _y = x.log().sum();
+    let anomaly = guard.finish().expect("reported");
+    assert_eq!(anomaly.op, "float_log");
+    assert_eq!(anomaly.category, "f32");
+    assert_eq!(anomaly.output.dtype, "F32");
+    assert_eq!((anomaly.values.nan, anomaly.values.neg_inf), (1, 1));
+    assert!(
+        anomaly.advice().contains("not a precision problem"),
+        "{}",
+        anomaly.advice()
+    );
+}
+
+#[test]
+fn a_minus_inf_mask_is_not_an_anomaly_and_a_nan_scalar_is() {
+    let device = Default::default();
+    let _amp = autocast(Precision::F16);
+    let guard = detect_anomaly();
+    let scores = tensor::<Above, 2>(&[0.5, 1.0, 2.0, 3.0], [2, 2], &device);
+    let mask = scores.clone().lower_elem(0.9);
+    let masked = scores.mask_fill(mask, f32::NEG_INFINITY);
+    let p = burn::tensor::activation::softmax(masked, 1);
+    assert!(guard.report().is_none(), "{:?}", guard.report());
+    let _ = p.mul_scalar(f32::NAN);
+    let anomaly = guard.finish().expect("reported");
+    assert_eq!(anomaly.op, "float_mul_scalar");
+    assert_eq!(anomaly.cause, Cause::Scalar);
+}
+
+/// 1/x is finite at 1e-20 (1e20), and its gradient -1/x² (-1e40) is not, in f32 too.
+fn recip_step<B: AutodiffBackend>(device: &B::Device) -> B::Gradients {
+    let x = tensor::<B, 1>(&[1e-20, 1.0, 4.0], [3], device).require_grad();
+    x.recip().sum().backward()
+}
+
+#[test]
+fn a_gradient_overflow_is_named_in_the_backward_pass_below_autodiff() {
+    let device = Default::default();
+    let _amp = autocast(Precision::Bf16);
+    let guard = detect_anomaly();
+    let _grads = recip_step::<Below>(&device);
+    let anomaly = guard.finish().expect("reported");
+    match &anomaly.phase {
+        Phase::Backward { of } => assert_eq!(of.as_deref(), Some("float_recip"), "{anomaly}"),
+        other => panic!("expected the backward pass, got {other:?}: {anomaly}"),
+    }
+    assert_eq!(
+        anomaly.values.pos_inf + anomaly.values.neg_inf,
+        1,
+        "{anomaly}"
+    );
+    // The step that called backward is among the frames.
+    assert!(
+        anomaly
+            .backtrace
+            .iter()
+            .any(|f| f.function.contains("recip_step")),
+        "{anomaly}"
+    );
+    // The forward pass alone is healthy: above autodiff, `Amp` sees only forward ops.
+    let guard = detect_anomaly();
+    let _grads = recip_step::<Above>(&device);
+    assert!(guard.report().is_none(), "{:?}", guard.report());
+}
+
+#[test]
+fn a_healthy_step_reports_nothing_and_counts_its_ops() {
+    let device = Default::default();
+    let _amp = autocast(Precision::F16);
+    let guard = detect_anomaly();
+    let x = tensor::<Above, 2>(&[0.5, -1.0, 2.0, 3.0], [2, 2], &device).require_grad();
+    let y = burn::tensor::activation::gelu(x.clone().matmul(x.clone())).mean();
+    let _ = y.backward();
+    assert!(guard.report().is_none());
+    assert!(guard.ops_checked() >= 3, "{}", guard.ops_checked());
+    drop(guard);
+    // Off: the ops run unchecked (nothing installed on this thread).
+    let _ = overflowing_matmul::<Above>(&device);
+}
+
+#[test]
+fn wgpu_f16_matmul_overflow_is_named() {
+    let Some(device) = wgpu_device() else { return };
+    let _amp = autocast(Precision::F16);
+    let guard = detect_anomaly();
+    let _ = overflowing_matmul::<Amp<Autodiff<Wgpu>>>(&device);
+    let anomaly = guard.finish().expect("reported");
+    assert_eq!(anomaly.op, "float_matmul");
+    assert_eq!(anomaly.output.dtype, "F16");
+    assert!(
+        anomaly
+            .user_frame()
+            .unwrap()
+            .function
+            .contains("overflowing_matmul"),
+        "{anomaly}"
+    );
+    let guard = detect_anomaly();
+    let _grads = recip_step::<Autodiff<Amp<Wgpu>>>(&device);
+    let anomaly = guard.finish().expect("reported");
+    assert!(matches!(anomaly.phase, Phase::Backward { .. }), "{anomaly}");
+}
