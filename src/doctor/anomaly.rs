@@ -18,6 +18,10 @@ use crate::error::AmpError;
 /// Each op then reads a scalar back to the host: a debugging mode (see the overhead figures
 /// in the README). Masks filled with `-inf` are not blamed (their scalar is already inf);
 /// for models that make infinities on purpose in other ways, [`detect_nan`] checks NaN only.
+///
+/// At f16 with a loss scaler, the first steps overflow on purpose while the scale settles;
+/// under `Autodiff<Amp<B>>` (backward ops seen) that overflow is reported: start anomaly mode
+/// once the scale has settled, or use [`detect_nan`].
 #[must_use = "anomaly mode ends when the guard is dropped; bind it with `let guard = ...`"]
 pub fn detect_anomaly() -> AnomalyGuard {
     AnomalyGuard::new(false)
@@ -52,13 +56,15 @@ impl AnomalyGuard {
         }
     }
 
-    fn read<R>(&self, f: impl FnOnce(&State) -> R) -> R {
+    /// `R::default()` while another session is on top of this one (a precision report
+    /// measured inside anomaly mode).
+    fn read<R: Default>(&self, f: impl FnOnce(&State) -> R) -> R {
         super::with_session(|s| match s {
             Session::Anomaly(state) => Some(f(state)),
             _ => None,
         })
         .flatten()
-        .expect("an AnomalyGuard's session is installed until it is dropped")
+        .unwrap_or_default()
     }
 
     /// The first op that created an inf/NaN, if any has.
