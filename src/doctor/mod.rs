@@ -21,11 +21,13 @@
 
 mod anomaly;
 mod backtrace;
+mod gradients;
 mod precision_report;
 
 pub use anomaly::{Anomaly, AnomalyGuard, Cause, NonFinite, Phase, detect_anomaly, detect_nan};
 pub use backtrace::Frame;
-pub use precision_report::{GradientPrecision, OpPrecision, PrecisionReport, Suggestion};
+pub use gradients::GradientPrecision;
+pub use precision_report::{OpPrecision, PrecisionReport, Suggestion};
 
 use core::any::Any;
 use core::cell::{Cell, RefCell};

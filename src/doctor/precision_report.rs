@@ -2,14 +2,15 @@
 
 use core::fmt::{self, Write as _};
 
-use burn::module::{AutodiffModule, ModuleVisitor, Param};
+use burn::module::AutodiffModule;
 use burn::optim::GradientsParams;
 use burn::prelude::*;
 use burn::tensor::backend::AutodiffBackend;
 use burn_backend::TensorMetadata;
 use serde::Serialize;
 
-use super::{Installed, Session, category_name, host_values};
+use super::gradients::Gradients;
+use super::{GradientPrecision, Installed, Session, category_name, host_values};
 use crate::backend::Op;
 use crate::error::AmpError;
 use crate::precision::{Precision, autocast};
@@ -19,14 +20,7 @@ use crate::precision::{Precision, autocast};
 const REFERENCE_CAPACITY: usize = 1 << 26;
 
 /// A gradient this much smaller than the largest is rounding noise.
-const NEGLIGIBLE: f64 = 1e-6;
-
-/// f16's smallest subnormal and largest finite value.
-const F16_TINY: f64 = 5.960_464_5e-8;
-const F16_MAX: f64 = 65504.0;
-/// bf16's smallest subnormal and largest finite value.
-const BF16_TINY: f64 = 9.183_549_6e-41;
-const BF16_MAX: f64 = 3.389_531_4e38;
+pub(super) const NEGLIGIBLE: f64 = 1e-6;
 
 /// What the report suggests for an op or a gradient.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -83,28 +77,6 @@ pub struct OpPrecision {
     pub min_abs: f64,
     /// Largest |x| in f32.
     pub max_abs: f64,
-    /// What to do.
-    pub suggestion: Suggestion,
-}
-
-/// One parameter's gradient.
-#[derive(Debug, Clone, PartialEq, Serialize)]
-pub struct GradientPrecision {
-    /// The parameter's path in the module (`layers.0.attn.query.weight`).
-    pub parameter: String,
-    /// The gradient's shape.
-    pub shape: Vec<usize>,
-    /// The f32 run's gradient's L2 norm (unscaled): an error relative to a gradient near 0
-    /// says little.
-    pub norm: f64,
-    /// Relative error (L2) of the autocast run's gradient (unscaled) against the f32 run's.
-    pub error: f64,
-    /// Values nonzero in the f32 run and zero in the autocast run: underflow, measured.
-    pub underflow: f64,
-    /// Values that would underflow the half dtype once multiplied by the loss scale.
-    pub underflow_at_scale: f64,
-    /// Values that would overflow the half dtype once multiplied by the loss scale.
-    pub overflow_at_scale: f64,
     /// What to do.
     pub suggestion: Suggestion,
 }
@@ -182,15 +154,7 @@ impl PrecisionReport {
         let Some(Session::Compare(comparison)) = comparison else {
             unreachable!("the comparison session was installed for the run")
         };
-        let mut gradients = Gradients::<B> {
-            f32: grads_f32,
-            autocast: grads,
-            precision,
-            scale: loss_scale as f64,
-            path: Vec::new(),
-            rows: Vec::new(),
-            _backend: core::marker::PhantomData,
-        };
+        let mut gradients = Gradients::<B>::new(grads_f32, grads, precision, loss_scale as f64);
         model.visit(&mut gradients);
         // A gradient that is rounding noise in f32 too (a bias that a norm or a softmax
         // cancels: ~1e-10) flushing to zero is no loss.
@@ -453,7 +417,7 @@ fn bf16_epsilon() -> f64 {
 }
 
 /// ‖b − a‖ / ‖a‖ over the values finite in both (‖b − a‖ where a is all zero).
-fn relative_error(a: &[f32], b: &[f32]) -> f64 {
+pub(super) fn relative_error(a: &[f32], b: &[f32]) -> f64 {
     let (mut diff, mut norm) = (0.0f64, 0.0f64);
     for (&a, &b) in a.iter().zip(b) {
         if a.is_finite() && b.is_finite() {
@@ -472,7 +436,11 @@ fn relative_error(a: &[f32], b: &[f32]) -> f64 {
 /// (underflow, overflow, min nonzero |truth|, max |truth|), the first two as fractions of all
 /// values. Underflow: a value below `smallest_normal` (where the dtype's range ends, not its
 /// precision) that became 0; a cancellation to 0 is an error, not an underflow.
-fn range_loss(truth: &[f32], values: &[f32], smallest_normal: f64) -> (f64, f64, f64, f64) {
+pub(super) fn range_loss(
+    truth: &[f32],
+    values: &[f32],
+    smallest_normal: f64,
+) -> (f64, f64, f64, f64) {
     let (mut under, mut over) = (0usize, 0usize);
     let (mut lo, mut hi) = (f64::INFINITY, 0.0f64);
     for (&t, &v) in truth.iter().zip(values) {
@@ -494,83 +462,6 @@ fn range_loss(truth: &[f32], values: &[f32], smallest_normal: f64) -> (f64, f64,
     let n = truth.len().max(1) as f64;
     let lo = if lo.is_finite() { lo } else { 0.0 };
     (under as f64 / n, over as f64 / n, lo, hi)
-}
-
-/// Compares each trainable parameter's gradient in the two runs.
-struct Gradients<B: AutodiffBackend> {
-    f32: GradientsParams,
-    autocast: GradientsParams,
-    precision: Precision,
-    scale: f64,
-    path: Vec<String>,
-    rows: Vec<GradientPrecision>,
-    _backend: core::marker::PhantomData<B>,
-}
-
-impl<B: AutodiffBackend> ModuleVisitor<B> for Gradients<B> {
-    fn enter_module(&mut self, name: &str, _container_type: &str) {
-        self.path.push(name.to_string());
-    }
-
-    fn exit_module(&mut self, _name: &str, _container_type: &str) {
-        self.path.pop();
-    }
-
-    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
-        let (Some(reference), Some(grad)) = (
-            self.f32.get::<B::InnerBackend, D>(param.id),
-            self.autocast.get::<B::InnerBackend, D>(param.id),
-        ) else {
-            return;
-        };
-        let shape = reference.shape().to_vec();
-        let values = |t: Tensor<B::InnerBackend, D>| {
-            t.into_data()
-                .convert::<f32>()
-                .to_vec::<f32>()
-                .unwrap_or_default()
-        };
-        // Both runs' gradients are × scale; compared unscaled.
-        let unscale = 1.0 / self.scale as f32;
-        let reference: Vec<f32> = values(reference).iter().map(|g| g * unscale).collect();
-        let grad: Vec<f32> = values(grad).iter().map(|g| g * unscale).collect();
-        // The gradients are f32 here; what flushed them to zero is the half dtype upstream.
-        let (underflow, _, _, _) = range_loss(&reference, &grad, f64::INFINITY);
-        let (tiny, max) = match self.precision {
-            Precision::F16 => (F16_TINY, F16_MAX),
-            Precision::Bf16 => (BF16_TINY, BF16_MAX),
-            Precision::F32 => (0.0, f64::INFINITY),
-        };
-        let n = reference.len().max(1) as f64;
-        let scaled = |g: &f32| f64::from(g.abs()) * self.scale;
-        let under_at = reference
-            .iter()
-            .filter(|g| **g != 0.0 && scaled(g) < tiny)
-            .count() as f64
-            / n;
-        let over_at = reference.iter().filter(|g| scaled(g) > max).count() as f64 / n;
-        let suggestion = if over_at > 0.0 {
-            Suggestion::LowerLossScale
-        } else if self.precision.needs_loss_scaling() && (underflow > 0.01 || under_at > 0.01) {
-            Suggestion::RaiseLossScale
-        } else {
-            Suggestion::Fine
-        };
-        self.rows.push(GradientPrecision {
-            parameter: self.path.join("."),
-            shape,
-            norm: reference
-                .iter()
-                .map(|g| f64::from(*g) * f64::from(*g))
-                .sum::<f64>()
-                .sqrt(),
-            error: relative_error(&reference, &grad),
-            underflow,
-            underflow_at_scale: under_at,
-            overflow_at_scale: over_at,
-            suggestion,
-        });
-    }
 }
 
 #[cfg(test)]
