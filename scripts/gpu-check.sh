@@ -1,54 +1,106 @@
 #!/usr/bin/env bash
-# GPU check for a machine with an NVIDIA GPU and no network (CUDA driver installed,
-# PyTorch installed for the side-by-side comparison). Finishes in a few minutes:
-#   1. builds with --features cuda (release);
-#   2. runs the autocast policy suite on Cuda in f16 and bf16, and the kernel tests;
-#   3. times f32 against AMP on the transformer, burn-amp and PyTorch side by side.
-# Output: a table per step, and JSON lines under $OUT (or ./gpu-check-out).
+# The GPU check, run ON the GPU machine (no Rust toolchain, no network): unpacks the
+# gpu_check that scripts/gpu-build.sh packed into .gpu/, finds the CUDA libraries, runs its
+# correctness part and then its speed part, runs the same models in PyTorch, and writes
+# under $OUT (default gpu-check-out/):
+#   gpu_check.jsonl  burn-amp's JSON lines      torch.jsonl  PyTorch's
+#   table.md         the side-by-side table     log.txt      what this script found and did
+# Budget: under 8 minutes of wall time in all (time limits below), first compilations included.
+#
+#   scripts/gpu-check.sh                                   # on the GPU machine
+#   GPU_CHECK_BACKEND=wgpu GPU_CHECK_ARGS=--quick scripts/gpu-check.sh   # CI, on lavapipe
+#
+# Environment: GPU_CHECK_BACKEND (cuda | wgpu), GPU_CHECK_ARGS (more gpu_check flags),
+# TORCH_ARGS (more torch_reference.py flags), GPU_CHECK_TIMEOUT / TORCH_TIMEOUT (seconds).
 set -uo pipefail
 cd "$(dirname "$0")/.."
+
 out="${OUT:-gpu-check-out}"
 mkdir -p "$out"
-export CARGO_TERM_COLOR=never
+backend="${GPU_CHECK_BACKEND:-cuda}"
+started=$(date +%s)
+log() { echo "[gpu-check +$(($(date +%s) - started))s] $*" | tee -a "$out/log.txt" >&2; }
 
-step() { echo; echo "=== $* ==="; }
-
-step "build (release, cuda)"
-time cargo build --release --features cuda --examples --tests 2>&1 | tail -3
-
-step "autocast policy on Cuda (f16, bf16) and kernels"
-cargo test --release --features cuda --test autocast_ops cuda -- --test-threads 1 2>&1 | tee "$out/policy.log" | tail -15
-cargo test --release --features cuda --test kernels 2>&1 | tee "$out/kernels.log" | tail -15
-
-step "transformer: f32 vs bf16 vs f16 (burn-amp, Cuda)"
-for p in f32 bf16 f16; do
-    cargo run -q --release --features cuda --example train -- \
-        --backend cuda --precision "$p" --steps 200 --batch 256 --d-model 512 --layers 4 \
-        2>/dev/null | tail -1 | tee -a "$out/burn_amp.jsonl"
-done
-
-step "transformer: the same model in PyTorch (torch.autocast + GradScaler)"
-if python3 -c "import torch; assert torch.cuda.is_available()" 2>/dev/null; then
-    python3 scripts/torch_reference.py --steps 200 --batch 256 --d-model 512 --layers 4 \
-        | tee "$out/torch.jsonl"
-else
-    echo "PyTorch with CUDA not found: skipped"
+# 1. The binary.
+if [[ ! -f .gpu/gpu_check.gz ]]; then
+    log "error: .gpu/gpu_check.gz is missing: run scripts/gpu-build.sh on the build machine and carry .gpu/"
+    exit 2
+fi
+cat .gpu/manifest.txt | tee -a "$out/log.txt" >&2
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+gunzip -c .gpu/gpu_check.gz > "$work/gpu_check"
+chmod +x "$work/gpu_check"
+want=$(sed -n 's/^sha256 (unpacked): //p' .gpu/manifest.txt)
+have=$(sha256sum "$work/gpu_check" | cut -d' ' -f1)
+if [[ -n "$want" && "$want" != "$have" ]]; then
+    log "error: gpu_check's sha256 is $have, the manifest says $want (a stale or damaged .gpu/)"
+    exit 2
 fi
 
-step "ratios"
-python3 - "$out" <<'PY'
-import json, sys, os
-out = sys.argv[1]
-def load(name):
-    path = os.path.join(out, name)
-    return [json.loads(l) for l in open(path) if l.startswith("{")] if os.path.exists(path) else []
-burn = {r["precision"]: r for r in load("burn_amp.jsonl")}
-torch = {r["precision"]: r for r in load("torch.jsonl")}
-print("| precision | burn-amp tokens/s | torch tokens/s | burn/torch | burn AMP speed-up over f32 |")
-print("|---|---|---|---|---|")
-for p in ["f32", "bf16", "f16"]:
-    b, t = burn.get(p), torch.get(p)
-    speedup = b["tokens_per_s"] / burn["f32"]["tokens_per_s"] if b and "f32" in burn else float("nan")
-    ratio = b["tokens_per_s"] / t["tokens_per_s"] if b and t else float("nan")
-    print(f"| {p} | {b and b['tokens_per_s']} | {t and t['tokens_per_s']} | {ratio:.2f} | {speedup:.2f} |")
-PY
+# 2. The CUDA libraries: cudarc dlopens libcuda (the driver's) and libnvrtc (CubeCL compiles its
+# kernels at run time) by name. nvrtc comes from the toolkit or from PyTorch's
+# nvidia-cuda-nvrtc wheel; plain names are linked in a folder of our own, put first.
+find_lib() { # name pattern -> the first file found
+    local pattern=$1 dir
+    local dirs=(/usr/local/nvidia/lib64 /usr/local/nvidia/lib /usr/lib/x86_64-linux-gnu /usr/lib64
+        /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib)
+    for dir in /usr/local/cuda-*/lib64 /usr/local/cuda-*/targets/x86_64-linux/lib; do
+        [[ -d $dir ]] && dirs+=("$dir")
+    done
+    local site
+    site=$(python3 -c 'import nvidia, os; print(os.path.dirname(list(nvidia.__path__)[0]))' 2>/dev/null)
+    [[ -n "$site" ]] && while IFS= read -r dir; do dirs+=("$dir"); done \
+        < <(find "$site/nvidia" -maxdepth 3 -type d -name lib 2>/dev/null)
+    for dir in "${dirs[@]}"; do
+        local hit
+        hit=$(ls "$dir"/$pattern 2>/dev/null | sort -V | tail -1)
+        [[ -n "$hit" ]] && { echo "$hit"; return 0; }
+    done
+    ldconfig -p 2>/dev/null | awk -v p="${pattern%%\**}" '$1 ~ "^"p {print $NF; exit}'
+}
+if [[ "$backend" == cuda ]]; then
+    mkdir -p "$work/lib"
+    cuda=$(find_lib 'libcuda.so*')
+    nvrtc=$(find_lib 'libnvrtc.so*')
+    log "libcuda: ${cuda:-NOT FOUND}"
+    log "libnvrtc: ${nvrtc:-NOT FOUND}"
+    for lib in "$cuda" "$nvrtc"; do
+        [[ -z "$lib" ]] && continue
+        base=$(basename "$lib"); base=${base%%.so*}
+        for name in "$base.so" "$base.so.1" "$base.so.13"; do
+            [[ -e "$(dirname "$lib")/$name" ]] || ln -sf "$lib" "$work/lib/$name"
+        done
+    done
+    export LD_LIBRARY_PATH="$work/lib:$(dirname "${nvrtc:-/}"):$(dirname "${cuda:-/}")${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+    log "LD_LIBRARY_PATH=$LD_LIBRARY_PATH"
+    command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,driver_version,memory.total \
+        --format=csv,noheader 2>&1 | tee -a "$out/log.txt" >&2
+fi
+
+# 3. burn-amp: correctness, then speed (skipped by gpu_check itself if a case failed).
+log "gpu_check --backend $backend ${GPU_CHECK_ARGS:-}"
+# shellcheck disable=SC2086
+timeout "${GPU_CHECK_TIMEOUT:-330}" "$work/gpu_check" --backend "$backend" \
+    --out "$out/gpu_check.jsonl" ${GPU_CHECK_ARGS:-} > /dev/null 2> >(tee "$out/gpu_check.stderr" >&2)
+burn_status=$?
+log "gpu_check exited with $burn_status"
+
+# 4. PyTorch, the same models (CUDA only).
+if [[ "$backend" == cuda ]] && python3 -c 'import torch; assert torch.cuda.is_available()' 2>/dev/null; then
+    log "torch_reference.py ${TORCH_ARGS:-}"
+    # shellcheck disable=SC2086
+    timeout "${TORCH_TIMEOUT:-120}" python3 scripts/torch_reference.py ${TORCH_ARGS:-} \
+        > "$out/torch.jsonl" 2> >(tee "$out/torch.stderr" >&2)
+    log "torch_reference.py exited with $?"
+else
+    log "PyTorch with CUDA not found (or backend $backend): no PyTorch columns"
+    rm -f "$out/torch.jsonl"
+fi
+
+# 5. The table.
+python3 scripts/gpu_table.py "$out"
+table_status=$?
+log "done in $(($(date +%s) - started)) s"
+if (( burn_status != 0 )); then exit "$burn_status"; fi
+exit "$table_status"

@@ -90,7 +90,34 @@ fn crate_of(function: &str) -> &str {
 pub(crate) fn is_user_frame(frame: &Frame) -> bool {
     let f = crate_of(&frame.function);
     // `main` alone is the C entry point; the program's is `crate::main`.
-    f != "main" && !MACHINERY.iter().any(|m| f.starts_with(m))
+    let by_name = f != "main" && !MACHINERY.iter().any(|m| f.starts_with(m));
+    by_name && !frame.location.as_deref().is_some_and(is_machinery_file)
+}
+
+/// Folders of code that is not the model's: std's sources and the crates cargo fetched.
+const MACHINERY_DIRS: &[&str] = &["/rustc/", "/.cargo/registry/", "/.cargo/git/"];
+
+/// Whether a frame's `file:line:col` is std's, a fetched dependency's or burn-amp's own.
+///
+/// Debug info limited to line tables (`debug = "line-tables-only"`, this crate's own dev
+/// profile) names functions without their path (`check<B>`, not
+/// `burn_amp::doctor::anomaly::check<B>`), so names alone cannot tell the model from the
+/// machinery; the files can.
+fn is_machinery_file(location: &str) -> bool {
+    // Strip `:line:col`.
+    let file = location.rsplitn(3, ':').last().unwrap_or(location);
+    MACHINERY_DIRS.iter().any(|d| file.contains(d)) || is_own_source(file)
+}
+
+/// Whether `file` is in burn-amp's `src/`. Cargo names the files of the package it builds
+/// relative to it (`./src/..`), and runs tests and examples from there.
+fn is_own_source(file: &str) -> bool {
+    let own = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+    let path = std::path::Path::new(file);
+    if path.is_absolute() {
+        return path.starts_with(&own);
+    }
+    std::env::current_dir().is_ok_and(|dir| dir.join(path).starts_with(&own))
 }
 
 /// The frames from the first user frame on, without the runtime's.
@@ -160,5 +187,30 @@ mod tests {
         assert!(in_backward(&frames));
         assert!(!in_backward(&user));
         assert_eq!(forward_op(&frames).as_deref(), Some("float_exp"));
+    }
+
+    /// With line tables only, functions are named without their path: the files tell.
+    #[test]
+    fn line_table_names_are_trimmed_by_their_files() {
+        let own = concat!(env!("CARGO_MANIFEST_DIR"), "/src/doctor/anomaly.rs");
+        let text = format!(
+            "   0: check<Flex>
+             at {own}:389:18
+   1: float_matmul<Flex>
+             at ./src/backend/macros.rs:67:23
+   2: matmul<Amp<Flex>>
+             at /root/.cargo/registry/src/index.crates.io-1/burn-tensor-0.21.0/src/tensor/api/numeric.rs:935:21
+   3: overflowing_matmul
+             at ./tests/doctor/anomaly.rs:24:15
+   4: call_once<fn()>
+             at /rustc/59807616e/library/core/src/ops/function.rs:250:5
+"
+        );
+        let frames = parse(&text);
+        assert_eq!(frames.len(), 5);
+        // The test runs from the package's folder, as cargo runs it: `./src` is burn-amp's.
+        let user = trim(&frames);
+        let names: Vec<&str> = user.iter().map(|f| f.function.as_str()).collect();
+        assert_eq!(names, ["overflowing_matmul"]);
     }
 }

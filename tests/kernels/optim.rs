@@ -1,10 +1,16 @@
 //! `OptimKernels`: the helpers of the optimizer steps, and empty parameters. The steps
 //! themselves: `adamw.rs`, `sgd.rs`, and `scaled.rs` (a real loss scale).
 
-mod adamw;
-mod quantized;
-mod scaled;
-mod sgd;
+// Paths spelled out and the modules visible to the parent: `examples/gpu_check` loads this
+// file by `#[path]` and collects each module's cases.
+#[path = "optim/adamw.rs"]
+pub(crate) mod adamw;
+#[path = "optim/quantized.rs"]
+pub(crate) mod quantized;
+#[path = "optim/scaled.rs"]
+pub(crate) mod scaled;
+#[path = "optim/sgd.rs"]
+pub(crate) mod sgd;
 
 use super::*;
 use burn_amp::optim::kernels::{AdamWMoments, Scaling, Velocity};

@@ -1,0 +1,218 @@
+//! The GPU check: one binary that proves burn-amp on a GPU in one short call.
+//!
+//! Correctness first, on the backend as users run it (fusion) and, for the kernels, on the
+//! bare CubeCL backend too:
+//! - the autocast policy suite of `tests/autocast_ops.rs` (every op's output dtype and values
+//!   against f32), at f16 and bf16;
+//! - every `AmpKernels` kernel against its burn-op fallback (the checks of `tests/kernels`),
+//!   in f32, f16 and, where the device has it, bf16;
+//! - a scaled f16 training step with no host read, and a skipped overflowing step;
+//! - gradient accumulation: 4 micro-batches of b against one batch of 4b.
+//!
+//! Then speed, unless a check failed: a training step (fused AdamW, the loss scaler at f16)
+//! of a transformer and of a deep MLP at f32, bf16 and f16, the median of timed steps after a
+//! warm-up, with the peak memory from CubeCL's allocator; and the fused unscale + inf/NaN
+//! check's bandwidth. `scripts/torch_reference.py` runs the same models in PyTorch and
+//! `scripts/gpu_table.py` puts both in one table.
+//!
+//! Every result is one JSON line on stdout (and in `--out`), log text on stderr.
+//!
+//! ```text
+//! scripts/gpu-build.sh                 # here: release build with CUDA, packed into .gpu/
+//! scripts/gpu-check.sh                 # there: runs .gpu/gpu_check and PyTorch, writes $OUT
+//! cargo run --example gpu_check -- --backend wgpu --quick   # the same code on lavapipe
+//! ```
+
+#[path = "../../tests/common/mod.rs"]
+#[allow(unused_imports)]
+mod common;
+mod correctness;
+#[allow(dead_code, unused_imports, clippy::all)]
+mod kernel_cases;
+mod report;
+mod speed;
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+use burn::backend::Autodiff;
+use burn::backend::wgpu::WgpuRuntime;
+use burn::tensor::backend::AutodiffBackend;
+use burn_amp::memory::DeviceMemory;
+use burn_amp::{Amp, AmpKernels};
+use burn_cubecl::CubeBackend;
+use clap::{Parser, ValueEnum};
+use serde_json::json;
+
+use report::Report;
+
+#[derive(Parser, Debug)]
+#[command(about = "burn-amp's GPU check: correctness, then speed, as JSON lines")]
+struct Args {
+    /// cuda (needs --features cuda) or wgpu (the same checks on any Vulkan device).
+    #[arg(long, value_enum, default_value_t = BackendArg::Cuda)]
+    backend: BackendArg,
+    /// Run one part only.
+    #[arg(long, value_enum)]
+    only: Option<Part>,
+    /// Tiny speed sizes and few steps: a smoke run of the speed code (CI, lavapipe).
+    #[arg(long)]
+    quick: bool,
+    /// Timed steps per model and precision (the median is reported).
+    #[arg(long, default_value_t = 30)]
+    steps: usize,
+    /// Untimed steps first: kernel compilation (JIT) and autotune.
+    #[arg(long, default_value_t = 5)]
+    warmup: usize,
+    /// Measure speed even when a correctness check failed.
+    #[arg(long)]
+    speed_anyway: bool,
+    /// Also write the JSON lines to this file.
+    #[arg(long)]
+    out: Option<PathBuf>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+enum BackendArg {
+    Cuda,
+    Wgpu,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+enum Part {
+    Correctness,
+    Speed,
+}
+
+/// What the check needs of a backend: `Fused` is the backend users train on (fusion over
+/// CubeCL), `Bare` the CubeCL backend under it (the kernels have a path for each).
+pub trait Target {
+    type Fused: AmpKernels + DeviceMemory;
+    type Bare: AmpKernels<Device = Device<Self>>;
+    /// Autocast over autodiff over `Fused`, as the examples train (the bounds are spelled
+    /// here, proven once per target, so that generic code sees one device type).
+    type Train: AutodiffBackend<Device = Device<Self>, InnerBackend: AmpKernels>;
+    const NAME: &'static str;
+}
+
+/// The training backend of a target.
+pub type Train<T> = <T as Target>::Train;
+/// The device of a target.
+pub type Device<T> = burn::tensor::Device<<T as Target>::Fused>;
+
+struct WgpuTarget;
+impl Target for WgpuTarget {
+    type Fused = burn::backend::Wgpu;
+    type Bare = CubeBackend<WgpuRuntime, f32, i32, u32>;
+    type Train = Amp<Autodiff<Self::Fused>>;
+    const NAME: &'static str = "wgpu";
+}
+
+#[cfg(feature = "cuda")]
+struct CudaTarget;
+#[cfg(feature = "cuda")]
+impl Target for CudaTarget {
+    type Fused = burn_cuda::Cuda;
+    type Bare = CubeBackend<cubecl::cuda::CudaRuntime, f32, i32, u8>;
+    type Train = Amp<Autodiff<Self::Fused>>;
+    const NAME: &'static str = "cuda";
+}
+
+fn main() {
+    let args = Args::parse();
+    let mut report = match Report::new(args.out.as_deref()) {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("gpu_check: {e}");
+            std::process::exit(2);
+        }
+    };
+    // Debug builds of deep burn calls need a large stack (CI runs this unoptimized).
+    let outcome = std::thread::Builder::new()
+        .stack_size(256 << 20)
+        .spawn(move || {
+            // A panic here is outside any case (each catches its own): the device did not
+            // start, most often. Say so in the JSON too, for the table.
+            let ok =
+                std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| match args.backend {
+                    BackendArg::Wgpu => run::<WgpuTarget>(&args, &mut report),
+                    #[cfg(feature = "cuda")]
+                    BackendArg::Cuda => run::<CudaTarget>(&args, &mut report),
+                    #[cfg(not(feature = "cuda"))]
+                    BackendArg::Cuda => {
+                        report.emit(
+                            json!({"kind": "error", "impl": "burn-amp", "what": "backend",
+                        "error": "--backend cuda needs a build with `--features cuda` \
+                                  (scripts/gpu-build.sh); --backend wgpu runs without"}),
+                        );
+                        false
+                    }
+                }))
+                .unwrap_or_else(|panic| {
+                    let error = correctness::panic_message(panic);
+                    report.emit(
+                        json!({"kind": "error", "impl": "burn-amp", "what": "device",
+                    "error": format!("the run stopped outside any case (did the device start? \
+                                      see the log): {error}")}),
+                    );
+                    false
+                });
+            report.flush();
+            ok
+        })
+        .expect("a thread for the check")
+        .join();
+    match outcome {
+        Ok(true) => {}
+        Ok(false) => std::process::exit(1),
+        Err(_) => std::process::exit(101),
+    }
+}
+
+/// Runs the parts asked for; `false` when a check failed or a part could not run.
+fn run<T: Target>(args: &Args, report: &mut Report) -> bool {
+    let device = Device::<T>::default();
+    report.emit(json!({
+        "kind": "env", "impl": "burn-amp", "backend": T::NAME,
+        "device": <T::Fused as burn_backend::Backend>::name(&device),
+        "burn": "0.21.0", "burn_amp": env!("CARGO_PKG_VERSION"),
+        "profile": if cfg!(debug_assertions) { "debug" } else { "release" },
+        "started": report::now_utc(),
+    }));
+    let started = Instant::now();
+    let mut ok = true;
+    if args.only != Some(Part::Speed) {
+        let failed = correctness::run::<T>(&device, report);
+        report.emit(
+            json!({"kind": "warmup", "what": "correctness (first compilation of every kernel)",
+            "seconds": started.elapsed().as_secs_f64()}),
+        );
+        if failed > 0 {
+            ok = false;
+            eprintln!("gpu_check: {failed} correctness case(s) failed (see the JSON lines)");
+        }
+    }
+    if args.only != Some(Part::Correctness) {
+        if ok || args.speed_anyway {
+            let sizes = if args.quick {
+                speed::Sizes::quick()
+            } else {
+                speed::Sizes::full()
+            };
+            let (steps, warmup) = if args.quick {
+                (args.steps.min(3), args.warmup.min(1))
+            } else {
+                (args.steps, args.warmup)
+            };
+            ok &= speed::run::<T>(&device, &sizes, steps, warmup, report);
+        } else {
+            report.emit(json!({"kind": "skipped", "what": "speed",
+                "why": "a correctness check failed (--speed-anyway measures anyway)"}));
+        }
+    }
+    eprintln!(
+        "gpu_check: done in {:.1} s",
+        started.elapsed().as_secs_f64()
+    );
+    ok
+}

@@ -1,0 +1,352 @@
+//! The speed part: training steps of a transformer and of a deep MLP at f32, bf16 and f16
+//! (fused AdamW; the loss scaler at f16), and the fused unscale + inf/NaN check's bandwidth.
+//!
+//! A step is forward, backward and the optimizer step, timed from its start until the device
+//! has finished it (`sync`), after untimed warm-up steps (kernel compilation, autotune); the
+//! median of the timed steps is reported. CubeCL keeps no peak, so the peak memory is the
+//! highest of the allocator's in-use bytes sampled on one extra step after forward (the saved
+//! activations are live), after backward and after the optimizer step: a lower bound of the
+//! true peak (PyTorch's `max_memory_allocated` is exact).
+
+use std::time::Instant;
+
+use burn::module::AutodiffModule;
+use burn::optim::GradientsParams;
+use burn::prelude::*;
+use burn::tensor::{Distribution, TensorPrimitive};
+use burn_amp::memory::{DeviceMemory, PeakMemory};
+use burn_amp::optim::FusedAdamWConfig;
+use burn_amp::scaler::GradScalerConfig;
+use burn_amp::{AmpKernels, AmpOptimizer, Precision, autocast, host_reads};
+use burn_std::FloatDType;
+use serde_json::{Value, json};
+
+use crate::common::models::DeepMlp;
+use crate::common::tiny_lm::{ReversalTask, TinyLm, TinyLmConfig};
+use crate::correctness::panic_message;
+use crate::report::Report;
+use crate::{Device, Target, Train};
+
+/// The measured sizes.
+pub struct Sizes {
+    pub lm: TinyLmConfig,
+    pub lm_batch: usize,
+    pub mlp_width: usize,
+    pub mlp_depth: usize,
+    pub mlp_batch: usize,
+    /// Gradient elements of the bandwidth measurement, in 16 tensors.
+    pub bandwidth_elements: usize,
+}
+
+impl Sizes {
+    /// Compute-bound on an H200: the transformer of the issue (d_model 1024, 8 heads, seq 512,
+    /// 8 layers, batch 16) and the MLP of `benches/autocast.rs` at width 4096.
+    pub fn full() -> Self {
+        Self {
+            lm: TinyLmConfig::new()
+                .with_vocab(256)
+                .with_seq_len(512)
+                .with_d_model(1024)
+                .with_n_heads(8)
+                .with_n_layers(8)
+                .with_d_ff(4096)
+                .with_dropout(0.0),
+            lm_batch: 16,
+            mlp_width: 4096,
+            mlp_depth: 8,
+            mlp_batch: 2048,
+            bandwidth_elements: 1 << 28,
+        }
+    }
+
+    /// A smoke run of the same code.
+    pub fn quick() -> Self {
+        Self {
+            lm: TinyLmConfig::new()
+                .with_vocab(16)
+                .with_seq_len(16)
+                .with_d_model(64)
+                .with_n_heads(4)
+                .with_n_layers(2)
+                .with_d_ff(128)
+                .with_dropout(0.0),
+            lm_batch: 4,
+            mlp_width: 64,
+            mlp_depth: 2,
+            mlp_batch: 32,
+            bandwidth_elements: 1 << 16,
+        }
+    }
+}
+
+/// Measures every model at every precision the device has, then the bandwidth; `false` if a
+/// measurement failed.
+pub fn run<T: Target>(
+    device: &Device<T>,
+    sizes: &Sizes,
+    steps: usize,
+    warmup: usize,
+    report: &mut Report,
+) -> bool {
+    let mut ok = true;
+    let precisions = [Precision::F32, Precision::Bf16, Precision::F16];
+    for model in ["transformer", "mlp"] {
+        for precision in precisions {
+            if !precision.is_supported::<T::Fused>(device) {
+                report.emit(
+                    json!({"kind": "skipped", "what": format!("{model} {precision}"),
+                    "why": format!("{} has no {precision}", T::NAME)}),
+                );
+                continue;
+            }
+            let timing = Timing { steps, warmup };
+            let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                let _g = autocast(precision);
+                match model {
+                    "transformer" => transformer::<T>(device, sizes, timing),
+                    _ => mlp::<T>(device, sizes, timing),
+                }
+            }))
+            .unwrap_or_else(|p| Err(panic_message(p)));
+            match result {
+                Ok(measured) => {
+                    report.emit(
+                        json!({"kind": "warmup", "what": format!("{model} {precision}"),
+                        "seconds": measured.warmup_s}),
+                    );
+                    let mut record = measured.record;
+                    record["model"] = json!(model);
+                    record["precision"] = json!(precision.to_string());
+                    report.emit(record);
+                }
+                Err(error) => {
+                    ok = false;
+                    eprintln!("FAILED: {model} {precision}: {error}");
+                    report.emit(json!({"kind": "error", "impl": "burn-amp", "model": model,
+                        "precision": precision.to_string(), "error": error}));
+                }
+            }
+            <T::Fused as Backend>::memory_cleanup(device);
+        }
+    }
+    let mut dtypes = vec![FloatDType::F32, FloatDType::F16];
+    if Precision::Bf16.is_supported::<T::Fused>(device) {
+        dtypes.push(FloatDType::BF16);
+    }
+    for dtype in dtypes {
+        let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            bandwidth::<T::Fused>(device, dtype, sizes.bandwidth_elements, steps.max(5))
+        }))
+        .unwrap_or_else(|p| Err(panic_message(p)));
+        match result {
+            Ok(record) => report.emit(record),
+            Err(error) => {
+                ok = false;
+                report.emit(
+                    json!({"kind": "error", "impl": "burn-amp", "model": "bandwidth",
+                    "precision": format!("{dtype:?}"), "error": error}),
+                );
+            }
+        }
+        <T::Fused as Backend>::memory_cleanup(device);
+    }
+    ok
+}
+
+#[derive(Clone, Copy)]
+struct Timing {
+    steps: usize,
+    warmup: usize,
+}
+
+struct Measured {
+    record: Value,
+    warmup_s: f64,
+}
+
+fn transformer<T: Target>(
+    device: &Device<T>,
+    sizes: &Sizes,
+    timing: Timing,
+) -> Result<Measured, String> {
+    Train::<T>::seed(device, 42);
+    let config = &sizes.lm;
+    let model: TinyLm<Train<T>> = config.init(device);
+    let mut task = ReversalTask::new(config.vocab, config.seq_len, 42);
+    // A few batches made up front and cycled: the step, not the host's data, is measured.
+    let batches: Vec<_> = (0..4)
+        .map(|_| task.batch::<Train<T>>(sizes.lm_batch, device))
+        .collect();
+    let mut measured = train_steps::<T, _>(device, model, timing, |m, i| {
+        let (x, y) = batches[i % batches.len()].clone();
+        m.loss(x, y)
+    })?;
+    let tokens = sizes.lm_batch * config.seq_len;
+    measured.set_tokens(tokens);
+    measured.record["sizes"] = json!({
+        "vocab": config.vocab, "seq": config.seq_len, "d_model": config.d_model,
+        "heads": config.n_heads, "layers": config.n_layers, "d_ff": config.d_ff,
+        "batch": sizes.lm_batch,
+    });
+    Ok(measured)
+}
+
+fn mlp<T: Target>(device: &Device<T>, sizes: &Sizes, timing: Timing) -> Result<Measured, String> {
+    Train::<T>::seed(device, 42);
+    let model: DeepMlp<Train<T>> = DeepMlp::new(sizes.mlp_width, sizes.mlp_depth, device);
+    let x = Tensor::<Train<T>, 2>::random(
+        [sizes.mlp_batch, sizes.mlp_width],
+        Distribution::Default,
+        device,
+    );
+    let mut measured = train_steps::<T, _>(device, model, timing, |m, _| {
+        m.forward(x.clone()).powi_scalar(2).mean()
+    })?;
+    measured.set_tokens(sizes.mlp_batch);
+    measured.record["sizes"] = json!({
+        "width": sizes.mlp_width, "depth": sizes.mlp_depth, "batch": sizes.mlp_batch,
+    });
+    Ok(measured)
+}
+
+impl Measured {
+    /// Tokens (samples for the MLP) per step, and their rate at the median step time.
+    fn set_tokens(&mut self, tokens: usize) {
+        let ms = self.record["ms_per_step"].as_f64().unwrap_or(f64::NAN);
+        self.record["tokens_per_step"] = json!(tokens);
+        self.record["tokens_per_s"] = json!(tokens as f64 / (ms / 1e3));
+    }
+}
+
+/// The training loop under measurement: `loss(model, step)` then a plain backward and
+/// `AmpOptimizer::try_step` with the fused AdamW, as a user's loop writes it.
+fn train_steps<T: Target, M>(
+    device: &Device<T>,
+    mut model: M,
+    timing: Timing,
+    loss: impl Fn(&M, usize) -> Tensor<Train<T>, 1>,
+) -> Result<Measured, String>
+where
+    M: AutodiffModule<Train<T>>,
+{
+    let adamw = FusedAdamWConfig::new()
+        .with_weight_decay(0.0)
+        .init::<Train<T>, M>()
+        .map_err(|e| e.to_string())?;
+    let mut optim = AmpOptimizer::new(adamw, GradScalerConfig::new()).map_err(|e| e.to_string())?;
+    let sync = || <T::Fused as Backend>::sync(device).map_err(|e| format!("sync: {e:?}"));
+    let mut last_loss = None;
+    let mut step = |model: M, i: usize, peak: Option<&mut PeakMemory>| {
+        let l = loss(&model, i);
+        let sample = |p: Option<&mut PeakMemory>| {
+            p.map(|p| p.sample::<T::Fused>(device));
+        };
+        let mut peak = peak;
+        sample(peak.as_deref_mut());
+        let grads = GradientsParams::from_grads(l.backward(), &model);
+        sample(peak.as_deref_mut());
+        last_loss = Some(l.inner());
+        let model = optim
+            .try_step(1e-4, model, grads)
+            .map_err(|e| e.to_string());
+        sample(peak);
+        model
+    };
+
+    let start = Instant::now();
+    for i in 0..timing.warmup {
+        model = step(model, i, None)?;
+    }
+    sync()?;
+    let warmup_s = start.elapsed().as_secs_f64();
+
+    let reads = host_reads();
+    let mut times = Vec::with_capacity(timing.steps);
+    for i in 0..timing.steps {
+        let t = Instant::now();
+        model = step(model, timing.warmup + i, None)?;
+        sync()?;
+        times.push(t.elapsed().as_secs_f64() * 1e3);
+    }
+    let reads = host_reads() - reads;
+
+    // One more step, sampled: the memory figures wait for the device.
+    let mut peak = PeakMemory::default();
+    peak.sample::<T::Fused>(device);
+    model = step(model, timing.warmup + timing.steps, Some(&mut peak))?;
+    let peak_bytes = <T::Fused as DeviceMemory>::memory_snapshot(device).map(|_| peak.peak);
+    let final_loss = last_loss
+        .map(|l| l.into_scalar().elem::<f32>())
+        .unwrap_or(f32::NAN);
+    let skipped = optim.monitor().snapshot().skipped_steps;
+    drop(model);
+
+    times.sort_by(f64::total_cmp);
+    let pick = |q: f64| times[((times.len() - 1) as f64 * q).round() as usize];
+    Ok(Measured {
+        record: json!({
+            "kind": "speed", "impl": "burn-amp", "backend": T::NAME,
+            "ms_per_step": pick(0.5), "ms_p10": pick(0.1), "ms_p90": pick(0.9),
+            "steps": timing.steps, "warmup_steps": timing.warmup, "warmup_s": warmup_s,
+            "peak_bytes": peak_bytes, "peak_kind": "sampled: after forward, backward, step",
+            "final_loss": final_loss, "skipped_steps": skipped,
+            "host_reads_per_step": reads as f64 / timing.steps.max(1) as f64,
+            "optimizer": "fused AdamW (burn-amp)",
+        }),
+        warmup_s,
+    })
+}
+
+/// The fused unscale + inf/NaN check over 16 gradients of `elements / 16` each: bytes read
+/// and written per call against the time, the median of `iters` calls after 3 untimed.
+fn bandwidth<B: AmpKernels>(
+    device: &B::Device,
+    dtype: FloatDType,
+    elements: usize,
+    iters: usize,
+) -> Result<Value, String> {
+    let each = elements / 16;
+    let primitive = |t: Tensor<B, 1>| match t.into_primitive() {
+        TensorPrimitive::Float(t) => t,
+        TensorPrimitive::QFloat(_) => unreachable!("a float tensor"),
+    };
+    let mut grads: Vec<_> = (0..16)
+        .map(|_| {
+            let t = Tensor::<B, 1>::random([each], Distribution::Uniform(-1.0, 1.0), device);
+            primitive(t.cast(dtype))
+        })
+        .collect();
+    let one = || primitive(Tensor::<B, 1>::ones([1], device));
+    let mut found = primitive(Tensor::<B, 1>::zeros([1], device));
+    let sync = || B::sync(device).map_err(|e| format!("sync: {e:?}"));
+    let mut times = Vec::new();
+    for i in 0..iters + 3 {
+        let t = Instant::now();
+        // An inverse scale of 1 leaves the values as they are, call after call.
+        (grads, found) = B::unscale_and_check(grads, one(), found);
+        sync()?;
+        if i >= 3 {
+            times.push(t.elapsed().as_secs_f64());
+        }
+    }
+    let found_inf = Tensor::<B, 1>::from_primitive(TensorPrimitive::Float(found))
+        .into_scalar()
+        .elem::<f32>();
+    if found_inf != 0.0 {
+        return Err(format!("finite gradients raised found_inf to {found_inf}"));
+    }
+    times.sort_by(f64::total_cmp);
+    let seconds = times[times.len() / 2];
+    let size = match dtype {
+        FloatDType::F16 | FloatDType::BF16 => 2,
+        FloatDType::F64 => 8,
+        _ => 4,
+    };
+    let bytes = 2 * 16 * each * size;
+    let gb_per_s = bytes as f64 / seconds / 1e9;
+    Ok(json!({
+        "kind": "bandwidth", "impl": "burn-amp", "kernel": "unscale_check",
+        "dtype": format!("{dtype:?}").to_lowercase(), "elements": 16 * each, "bytes": bytes,
+        "ms": seconds * 1e3, "gb_per_s": gb_per_s, "reference_gb_per_s": 4300.0,
+    }))
+}

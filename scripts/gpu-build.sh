@@ -1,0 +1,70 @@
+#!/usr/bin/env bash
+# Builds the GPU check here and packs it into .gpu/ (git-ignored), for a GPU machine that has
+# no Rust toolchain and no network: the device tool carries .gpu/ with the working tree
+# (`carry: [".gpu"]`, 64 MiB in all), and scripts/gpu-check.sh runs it there.
+#
+#   scripts/gpu-build.sh        release build with CUDA: what the GPU runs
+#   scripts/gpu-build.sh --ci   CI: type-checks the CUDA build (no second compile of the world)
+#                               and packs the wgpu debug build that `cargo test --all-targets`
+#                               already made, so that packing, manifest and size check run on
+#                               every push; scripts/gpu-check.sh then runs it on lavapipe.
+#
+# .gpu/ holds gpu_check.gz (stripped, gzip -9) and manifest.txt (what was built, from which
+# commit, the binary's sha256 and the newest glibc symbol it needs).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+dest=.gpu
+# What the device tool carries in all is 64 MiB; the rest of the budget is the working tree.
+limit_mib="${GPU_PACK_LIMIT_MIB:-56}"
+
+case "${1:-}" in
+    "")
+        # CUDA 13.0 bindings: the driver there is CUDA 13.0 (580.x). Without nvcc here, cudarc
+        # would otherwise bind the newest CUDA it knows.
+        export CUDARC_CUDA_VERSION="${CUDARC_CUDA_VERSION:-13000}"
+        cargo build --release --features cuda --example gpu_check
+        bin=target/release/examples/gpu_check
+        build="release, --features cuda (CUDARC_CUDA_VERSION=$CUDARC_CUDA_VERSION)"
+        ;;
+    --ci)
+        cargo check --features cuda --example gpu_check
+        cargo build --example gpu_check
+        bin=target/debug/examples/gpu_check
+        build="debug, wgpu only (CI packing check)"
+        # A debug build is several times a release one; the limit that matters is the
+        # release build's, checked where it is built.
+        limit_mib="${GPU_PACK_LIMIT_MIB:-512}"
+        ;;
+    *)
+        echo "usage: $0 [--ci]" >&2
+        exit 2
+        ;;
+esac
+
+rm -rf "$dest"
+mkdir -p "$dest"
+strip -o "$dest/gpu_check" "$bin"
+sha=$(sha256sum "$dest/gpu_check" | cut -d' ' -f1)
+stripped=$(stat -c %s "$dest/gpu_check")
+glibc=$( (objdump -T "$dest/gpu_check" 2>/dev/null || true) | grep -o 'GLIBC_[0-9.]*' | sort -uV | tail -1)
+gzip -9 -f "$dest/gpu_check"
+packed=$(du -sb "$dest" | cut -f1)
+
+cat > "$dest/manifest.txt" <<EOF
+binary: gpu_check.gz (gunzip to run)
+build: $build
+commit: $(git rev-parse --short HEAD 2>/dev/null || echo unknown)$(git diff --quiet 2>/dev/null || echo ' (with uncommitted changes)')
+built: $(date -u +%Y-%m-%dT%H:%M:%SZ) on $(uname -m)
+sha256 (unpacked): $sha
+bytes unpacked: $stripped
+newest glibc symbol: ${glibc:-none found}
+EOF
+
+mib() { awk -v b="$1" 'BEGIN { printf "%.1f", b / 1048576 }'; }
+echo "gpu_check: $(mib "$(stat -c %s "$bin")") MiB built, $(mib "$stripped") MiB stripped, $(mib "$packed") MiB packed in $dest/ (limit $limit_mib MiB)"
+cat "$dest/manifest.txt"
+if (( packed > limit_mib * 1048576 )); then
+    echo "error: $dest/ is $(mib "$packed") MiB, over the $limit_mib MiB that the device tool can carry beside the tree" >&2
+    exit 1
+fi
