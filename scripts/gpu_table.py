@@ -229,7 +229,8 @@ def report(burn, torch):
         "bandwidth": [{"kernel": r.get("kernel"), "dtype": r.get("dtype"), "gb_per_s": num(r.get("gb_per_s")),
                        "of_reference": rounded(ratio(r.get("gb_per_s"), r.get("reference_gb_per_s")))}
                       for r in bands],
-        "errors": len(problems), "exit_code": code,
+        "errors": sum(r.get("kind") == "error" for _, r in problems),
+        "skipped": sum(r.get("kind") == "skipped" for _, r in problems), "exit_code": code,
     }
     return "\n".join(lines) + "\n", summary, code
 

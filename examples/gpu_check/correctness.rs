@@ -40,7 +40,9 @@ pub fn run<T: Target>(device: &Device<T>, report: &mut Report) -> usize {
         .filter(|p| p.is_supported::<T::Fused>(device))
         .collect();
 
+    // Progress on stderr: a run cut short by its time limit shows where it was.
     for &precision in &lows {
+        eprintln!("gpu_check: policy suite at {precision}");
         let outcome = timed(|| policy_suite::<T::Fused>(device, precision));
         record(
             "policy",
@@ -52,6 +54,7 @@ pub fn run<T: Target>(device: &Device<T>, report: &mut Report) -> usize {
     }
 
     let bf16 = Precision::Bf16.is_supported::<T::Fused>(device);
+    eprintln!("gpu_check: kernels against their fallbacks (bf16: {bf16})");
     for (variant, cases) in [
         ("fusion", run_kernels::<T::Fused>(device, bf16)),
         ("cube", run_kernels::<T::Bare>(device, bf16)),
@@ -61,6 +64,7 @@ pub fn run<T: Target>(device: &Device<T>, report: &mut Report) -> usize {
         }
     }
 
+    eprintln!("gpu_check: scaled f16 step, accumulation");
     let outcome = timed(|| scaled_f16_step::<T>(device));
     record(
         "scaled_step",

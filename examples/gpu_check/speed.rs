@@ -99,6 +99,7 @@ pub fn run<T: Target>(
                 );
                 continue;
             }
+            eprintln!("gpu_check: {model} at {precision}");
             let timing = Timing { steps, warmup };
             let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
                 let _g = autocast(precision);
