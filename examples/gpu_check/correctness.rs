@@ -127,13 +127,7 @@ pub fn panic_message(panic: Box<dyn std::any::Any + Send>) -> String {
 }
 
 fn dtype_name(dtype: Option<FloatDType>) -> String {
-    match dtype {
-        Some(FloatDType::F16) => "f16".into(),
-        Some(FloatDType::BF16) => "bf16".into(),
-        Some(FloatDType::F32) => "f32".into(),
-        Some(other) => format!("{other:?}").to_lowercase(),
-        None => String::new(),
-    }
+    dtype.map_or_else(String::new, |d| format!("{d:?}").to_lowercase())
 }
 
 /// Every op of the policy table through `Amp<B>` against `B` in f32 (`tests/autocast_ops.rs`).

@@ -18,7 +18,7 @@ use burn_amp::memory::{DeviceMemory, PeakMemory};
 use burn_amp::optim::FusedAdamWConfig;
 use burn_amp::scaler::GradScalerConfig;
 use burn_amp::{AmpKernels, AmpOptimizer, Precision, autocast, host_reads};
-use burn_std::FloatDType;
+use burn_std::{DType, FloatDType};
 use serde_json::{Value, json};
 
 use crate::common::models::DeepMlp;
@@ -239,18 +239,20 @@ where
     let mut last_loss = None;
     let mut step = |model: M, i: usize, peak: Option<&mut PeakMemory>| {
         let l = loss(&model, i);
-        let sample = |p: Option<&mut PeakMemory>| {
-            p.map(|p| p.sample::<T::Fused>(device));
-        };
         let mut peak = peak;
-        sample(peak.as_deref_mut());
+        let mut sample = || {
+            if let Some(p) = peak.as_deref_mut() {
+                p.sample::<T::Fused>(device);
+            }
+        };
+        sample();
         let grads = GradientsParams::from_grads(l.backward(), &model);
-        sample(peak.as_deref_mut());
+        sample();
         last_loss = Some(l.inner());
         let model = optim
             .try_step(1e-4, model, grads)
             .map_err(|e| e.to_string());
-        sample(peak);
+        sample();
         model
     };
 
@@ -307,10 +309,7 @@ fn bandwidth<B: AmpKernels>(
     iters: usize,
 ) -> Result<Value, String> {
     let each = elements / 16;
-    let primitive = |t: Tensor<B, 1>| match t.into_primitive() {
-        TensorPrimitive::Float(t) => t,
-        TensorPrimitive::QFloat(_) => unreachable!("a float tensor"),
-    };
+    let primitive = |t: Tensor<B, 1>| t.into_primitive().tensor();
     let mut grads: Vec<_> = (0..16)
         .map(|_| {
             let t = Tensor::<B, 1>::random([each], Distribution::Uniform(-1.0, 1.0), device);
@@ -338,12 +337,7 @@ fn bandwidth<B: AmpKernels>(
     }
     times.sort_by(f64::total_cmp);
     let seconds = times[times.len() / 2];
-    let size = match dtype {
-        FloatDType::F16 | FloatDType::BF16 => 2,
-        FloatDType::F64 => 8,
-        _ => 4,
-    };
-    let bytes = 2 * 16 * each * size;
+    let bytes = 2 * 16 * each * DType::from(dtype).size();
     let gb_per_s = bytes as f64 / seconds / 1e9;
     Ok(json!({
         "kind": "bandwidth", "impl": "burn-amp", "kernel": "unscale_check",
