@@ -11,7 +11,8 @@
 #   GPU_CHECK_BACKEND=wgpu GPU_CHECK_ARGS=--quick scripts/gpu-check.sh   # CI, on lavapipe
 #
 # Environment: GPU_CHECK_BACKEND (cuda | wgpu), GPU_CHECK_ARGS (more gpu_check flags),
-# TORCH_ARGS (more torch_reference.py flags), GPU_CHECK_TIMEOUT / TORCH_TIMEOUT (seconds).
+# TORCH_ARGS (more torch_reference.py flags), GPU_CHECK_TIMEOUT / TORCH_TIMEOUT (seconds),
+# GPU_CHECK_LIBCUDA (a driver library to use instead of the one found).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -61,7 +62,8 @@ find_lib() { # name pattern -> the first file found
 }
 if [[ "$backend" == cuda ]]; then
     mkdir -p "$work/lib"
-    cuda=$(find_lib 'libcuda.so*')
+    # GPU_CHECK_LIBCUDA: another driver library (scripts/cuda-compile-check.sh's stand-in).
+    cuda=${GPU_CHECK_LIBCUDA:-$(find_lib 'libcuda.so*')}
     nvrtc=$(find_lib 'libnvrtc.so*')
     log "libcuda: ${cuda:-NOT FOUND}"
     log "libnvrtc: ${nvrtc:-NOT FOUND}"
@@ -74,17 +76,68 @@ if [[ "$backend" == cuda ]]; then
     done
     export LD_LIBRARY_PATH="$work/lib:$(dirname "${nvrtc:-/}"):$(dirname "${cuda:-/}")${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
     log "LD_LIBRARY_PATH=$LD_LIBRARY_PATH"
+    # CubeCL hands nvrtc `--include-path=$CUDA_PATH/include` (and include/cccl) for the
+    # cuda_runtime.h, cuda_fp16.h and cuda_bf16.h its kernels include, and panics when it finds
+    # no toolkit (it looks only at CUDA_PATH, /usr/local/cuda, /opt/cuda, /usr/bin/nvcc). So
+    # name the first folder whose include/ has those headers: the toolkit's, nvcc's, or the
+    # pip wheels' (nvidia/cu13, with the nvrtc that came from there).
+    cuda_root=""
+    candidates=("${CUDA_PATH:-}" "${CUDA_HOME:-}" /usr/local/cuda /usr/local/cuda-* /opt/cuda)
+    nvcc=$(command -v nvcc 2>/dev/null) && candidates+=("$(dirname "$(dirname "$(readlink -f "$nvcc")")")")
+    [[ -n "$nvrtc" ]] && candidates+=("$(dirname "$(dirname "$nvrtc")")")
+    # First a toolkit with CCCL (cuda/barrier, cuda/pipeline: Hopper's matmul kernels), then any.
+    for want_cccl in 1 0; do
+        for dir in "${candidates[@]}"; do
+            [[ -n "$dir" && -f "$dir/include/cuda_runtime.h" && -f "$dir/include/cuda_bf16.h" ]] || continue
+            (( want_cccl )) && [[ ! -d "$dir/include/cccl" ]] && continue
+            cuda_root=$dir
+            break 2
+        done
+    done
+    if [[ -n "$cuda_root" ]]; then
+        export CUDA_PATH="$cuda_root"
+        log "CUDA_PATH=$CUDA_PATH (headers for nvrtc$([[ -d $cuda_root/include/cccl ]] && echo ', with cccl'))"
+    else
+        missing="no CUDA headers found (include/cuda_runtime.h and cuda_bf16.h under CUDA_PATH, CUDA_HOME, /usr/local/cuda*, /opt/cuda, nvcc's folder or nvrtc's): CubeCL cannot compile its kernels; set CUDA_PATH"
+    fi
+    [[ -z "$cuda" ]] && missing="libcuda not found: is this a machine with an NVIDIA driver?"
+    [[ -z "$nvrtc" ]] && missing="libnvrtc not found (CUDA toolkit or the nvidia-cuda-nvrtc wheel): CubeCL cannot compile its kernels"
     command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,driver_version,memory.total \
         --format=csv,noheader 2>&1 | tee -a "$out/log.txt" >&2
 fi
 
-# 3. burn-amp: correctness, then speed (skipped by gpu_check itself if a case failed).
-log "gpu_check --backend $backend ${GPU_CHECK_ARGS:-}"
-# shellcheck disable=SC2086
-timeout "${GPU_CHECK_TIMEOUT:-330}" "$work/gpu_check" --backend "$backend" \
-    --out "$out/gpu_check.jsonl" ${GPU_CHECK_ARGS:-} > /dev/null 2> >(tee "$out/gpu_check.stderr" >&2)
-burn_status=$?
-log "gpu_check exited with $burn_status"
+# The kernels compiled ahead (scripts/cuda-compile-check.sh): only if made for this binary.
+if [[ "$backend" == cuda && -f .gpu/kernel-cache.tar.gz ]]; then
+    made_for=$(sed -n 's/^for binary sha256: //p' .gpu/kernel-cache.txt 2>/dev/null)
+    if [[ "$made_for" == "$have" ]] && tar -C "$work" -xzf .gpu/kernel-cache.tar.gz; then
+        GPU_CHECK_ARGS="--kernel-cache $work/kernel-cache ${GPU_CHECK_ARGS:-}"
+        log "kernel cache: $(sed -n 's/^kernels: //p' .gpu/kernel-cache.txt) kernels compiled ahead ($(sed -n 's/^made: //p' .gpu/kernel-cache.txt))"
+    else
+        log "kernel cache not used: made for another gpu_check (or unreadable); every kernel compiles here"
+    fi
+fi
+
+# 3. burn-amp: correctness, then speed (skipped by gpu_check itself if a case failed). Without
+# what CUDA needs it is not started (it would only panic in a CubeCL thread); PyTorch still runs.
+if [[ -n "${missing:-}" ]]; then
+    log "error: $missing; gpu_check not run"
+    printf '{"kind": "error", "impl": "burn-amp", "what": "libraries", "error": "gpu_check not run: %s"}\n' \
+        "${missing//\"/\'}" > "$out/gpu_check.jsonl"
+    burn_status=2
+else
+    log "gpu_check --backend $backend ${GPU_CHECK_ARGS:-}"
+    # shellcheck disable=SC2086
+    timeout "${GPU_CHECK_TIMEOUT:-330}" "$work/gpu_check" --backend "$backend" \
+        --out "$out/gpu_check.jsonl" ${GPU_CHECK_ARGS:-} > /dev/null 2> >(tee "$out/gpu_check.stderr" >&2)
+    burn_status=$?
+    log "gpu_check exited with $burn_status"
+    # A run that did not end by itself: say so in its JSON, so that the table shows it.
+    why=""
+    (( burn_status == 124 )) && why="ran past its ${GPU_CHECK_TIMEOUT:-330} s limit (GPU_CHECK_TIMEOUT) and was stopped; the lines before this one are what it finished"
+    (( burn_status > 128 )) && why="was killed by signal $((burn_status - 128)) (see gpu_check.stderr); the lines before this one are what it finished"
+    [[ -n "$why" ]] && printf '{"kind": "error", "impl": "burn-amp", "what": "process", "error": "gpu_check %s"}\n' \
+        "$why" >> "$out/gpu_check.jsonl"
+fi
 
 # 4. PyTorch, the same models (CUDA only).
 if [[ "$backend" == cuda ]] && python3 -c 'import torch; assert torch.cuda.is_available()' 2>/dev/null; then

@@ -110,7 +110,11 @@ def report(burn, torch):
     lines.append(f"Device: **{env.get('device') or DASH}** ({env.get('backend') or DASH})"
                  f" · burn {env.get('burn') or DASH} · PyTorch {torch_version or DASH}"
                  f" · started {env.get('started') or DASH}")
-    lines += ["", f"warm-up (JIT + autotune): {warmup:.1f} s"]
+    if env.get("kernel_cache"):
+        lines += ["", f"warm-up (autotune, and JIT of what the kernel cache lacked): {warmup:.1f} s"
+                      " · kernels compiled ahead without a GPU (scripts/cuda-compile-check.sh)"]
+    else:
+        lines += ["", f"warm-up (JIT + autotune): {warmup:.1f} s"]
     if not burn_ok:
         lines += ["", f"**{BURN_FILE} is missing or has no JSON lines: the burn-amp run did not report.**"]
     if not torch_found:

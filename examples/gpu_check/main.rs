@@ -32,7 +32,7 @@ mod kernel_cases;
 mod report;
 mod speed;
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use burn::backend::Autodiff;
@@ -70,6 +70,11 @@ struct Args {
     /// Also write the JSON lines to this file.
     #[arg(long)]
     out: Option<PathBuf>,
+    /// Reuse and keep compiled kernels in this folder (CubeCL's compilation cache, PTX on
+    /// CUDA): one filled by scripts/cuda-compile-check.sh, without a GPU, spares the GPU run
+    /// most of its kernel compilation. Autotune results are not kept here.
+    #[arg(long)]
+    kernel_cache: Option<PathBuf>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -127,6 +132,9 @@ fn main() {
             std::process::exit(2);
         }
     };
+    if let Some(dir) = &args.kernel_cache {
+        use_kernel_cache(dir);
+    }
     // Debug builds of deep burn calls need a large stack (CI runs this unoptimized).
     let outcome = std::thread::Builder::new()
         .stack_size(256 << 20)
@@ -169,6 +177,15 @@ fn main() {
     }
 }
 
+/// Turns CubeCL's compilation cache on, in `dir`, before any device starts (CubeCL reads its
+/// configuration once; the rest of it still comes from cubecl.toml and CUBECL_* variables).
+fn use_kernel_cache(dir: &Path) {
+    use cubecl::config::{CubeClRuntimeConfig, RuntimeConfig, cache::CacheConfig};
+    let mut config = CubeClRuntimeConfig::from_current_dir().override_from_env();
+    config.compilation.cache = Some(CacheConfig::File(dir.to_path_buf()));
+    CubeClRuntimeConfig::set(config);
+}
+
 /// Runs the parts asked for; `false` when a check failed or a part could not run.
 fn run<T: Target>(args: &Args, report: &mut Report) -> bool {
     let device = Device::<T>::default();
@@ -178,6 +195,7 @@ fn run<T: Target>(args: &Args, report: &mut Report) -> bool {
         "burn": "0.21.0", "burn_amp": env!("CARGO_PKG_VERSION"),
         "profile": if cfg!(debug_assertions) { "debug" } else { "release" },
         "started": report::now_utc(),
+        "kernel_cache": args.kernel_cache.as_ref().map(|d| d.display().to_string()),
     }));
     let started = Instant::now();
     let mut ok = true;

@@ -1,0 +1,132 @@
+#!/usr/bin/env bash
+# CUDA without a GPU: runs the packed CUDA gpu_check (scripts/gpu-build.sh) through
+# scripts/gpu-check.sh, as the GPU machine would, but against a stand-in driver
+# (scripts/fake-cuda/fake_cuda.c: answers as an H200, runs no kernel) and the real nvrtc 13.0 of
+# the pip wheels that machine's PyTorch uses; then assembles every PTX module the run made with
+# ptxas for sm_90a.
+#
+# What a pass shows: the CUDA build starts a device, gpu-check.sh finds libcuda, libnvrtc and
+# the headers in a pip-only layout, and every kernel the check needs (correctness and speed
+# parts, f32/f16/bf16, CubeCL's and burn-amp's) compiles with nvrtc and assembles with ptxas
+# for the H200. What it cannot show: any value or time. No kernel runs, so the correctness
+# cases fail by design and their values are not read here.
+#
+#   scripts/gpu-build.sh && scripts/cuda-compile-check.sh [--quick]
+#
+# --quick runs the speed part at the tiny sizes (the full sizes compile the kernels the GPU
+# run will, and need a few GB of host memory). Needs python3 with pip (PyPI), gcc. Writes
+# target/cuda-compile-check/ (the wheels' venv, the stand-in, out/, ptx/, ptxas.log).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+dir=target/cuda-compile-check
+venv=$dir/venv
+args="--speed-anyway"
+[[ "${1:-}" == --quick ]] && args="$args --quick"
+
+if [[ ! -f .gpu/gpu_check.gz ]] || ! grep -q 'features cuda' .gpu/manifest.txt; then
+    echo "error: .gpu/ holds no CUDA build: run scripts/gpu-build.sh first" >&2
+    exit 2
+fi
+
+# The wheels of the GPU machine's torch 2.11.0+cu130 (nvrtc, the runtime's headers), and ptxas.
+if [[ ! -x $venv/bin/python3 ]] || ! "$venv/bin/python3" -c 'import nvidia' 2>/dev/null; then
+    python3 -m venv "$venv"
+    "$venv/bin/pip" install -q nvidia-cuda-nvrtc==13.0.88 nvidia-cuda-runtime==13.0.96 \
+        nvidia-cuda-nvcc==13.0.88
+fi
+cu13=$("$venv/bin/python3" -c 'import nvidia, os; print(os.path.join(list(nvidia.__path__)[0], "cu13"))')
+
+mkdir -p "$dir/fake"
+gcc -shared -fPIC -O1 -Wall -Wextra -Werror -I"$cu13/include" \
+    -o "$dir/fake/libcuda.so.1" scripts/fake-cuda/fake_cuda.c
+# A fresh kernel cache, so that nvrtc compiles every kernel; packed for the GPU run below.
+# And no autotune results of CUDA (CubeCL keeps them in target/autotune/): with them, autotune
+# would skip its candidates here, which the GPU, tuning afresh, compiles. This run's are
+# meaningless (no kernel runs): they go too.
+forget_cuda_tuning() { rm -rf target/autotune/*/device-*-cuda; }
+forget_cuda_tuning
+trap forget_cuda_tuning EXIT
+rm -rf "$dir/out" "$dir/ptx" "$dir/kernel-cache"
+mkdir -p "$dir/ptx"
+
+# gpu-check.sh as on the GPU machine; the venv's python3 first on PATH, so it finds the
+# wheels' nvrtc and headers (and no torch: the PyTorch part is skipped).
+started=$(date +%s)
+status=0
+FAKE_CUDA_DIR="$dir" PATH="$venv/bin:$PATH" GPU_CHECK_LIBCUDA="$PWD/$dir/fake/libcuda.so.1" \
+    OUT="$dir/out" GPU_CHECK_ARGS="$args --kernel-cache $PWD/$dir/kernel-cache ${GPU_CHECK_ARGS:-}" GPU_CHECK_TIMEOUT="${GPU_CHECK_TIMEOUT:-1800}" \
+    scripts/gpu-check.sh > "$dir/gpu-check.log" 2>&1 || status=$?
+seconds=$(($(date +%s) - started))
+
+# 1. The run itself: it must have started the device and reached the end of each part.
+problems=0
+jsonl=$dir/out/gpu_check.jsonl
+if [[ ! -s $jsonl ]]; then
+    echo "FAIL: gpu_check wrote nothing (gpu-check.sh exited $status); $dir/gpu-check.log:" >&2
+    tail -20 "$dir/gpu-check.log" >&2
+    exit 1
+fi
+python3 - "$jsonl" <<'EOF' || problems=$((problems + 1))
+import json, sys
+lines = [json.loads(l) for l in open(sys.argv[1]) if l.strip().startswith("{")]
+kinds = {}
+for l in lines:
+    kinds[l["kind"]] = kinds.get(l["kind"], 0) + 1
+print("gpu_check lines:", ", ".join(f"{k} {n}" for k, n in sorted(kinds.items())))
+env = [l for l in lines if l["kind"] == "env"]
+print("device:", env[0]["device"] if env else "NONE")
+# No kernel runs, so values are meaningless and value checks fail by design. What must not
+# happen is anything else: a compilation error, a panic, a server error, an unsupported copy.
+STRUCTURAL = ("Compilation", "compil", "panicked", "invalid state", "Io(", "Unsupported",
+              "not supported", "LaunchError", "out of memory", "stopped outside any case")
+def text(l):
+    return json.dumps(l.get("error") or "") + json.dumps(l.get("detail") or "")
+failed = [l for l in lines if l["kind"] in ("correctness", "error") and not l.get("ok")]
+structural = [l for l in failed if any(k in text(l) for k in STRUCTURAL)]
+for l in structural[:8]:
+    print("  STRUCTURAL:", json.dumps(l)[:700])
+speed = [l for l in lines if l["kind"] == "speed"]
+print(f"structural failures: {len(structural)}; value checks failed (expected, no kernel runs): "
+      f"{len(failed) - len(structural)}; speed lines: {len(speed)} of 6")
+sys.exit(1 if not env or structural or len(speed) < 6 else 0)
+EOF
+
+# 2. Every module nvrtc made, through ptxas for the H200.
+ptxas=$cu13/bin/ptxas
+modules=$(find "$dir/ptx" -name '*.ptx' | wc -l)
+: > "$dir/ptxas.log"
+find "$dir/ptx" -name '*.ptx' -print0 | sort -z | xargs -0 -P "$(nproc)" -I{} sh -c \
+    '"$1" -arch=sm_90a -o /dev/null "$2" 2>&1 | sed "s|^|$2: |"' _ "$ptxas" {} >> "$dir/ptxas.log"
+ptx_failed=$(grep -c 'error' "$dir/ptxas.log" || true)
+echo "PTX modules: $modules, ptxas sm_90a errors: $ptx_failed ($dir/ptxas.log)"
+[[ -f $dir/counts.txt ]] && tr '\n' ' ' < "$dir/counts.txt" && echo
+(( modules == 0 || ptx_failed > 0 )) && problems=$((problems + 1))
+
+echo "cuda-compile-check: ${seconds} s; $([[ $problems == 0 ]] && echo PASS || echo FAIL)"
+(( problems > 0 )) && exit 1
+
+# 3. The kernels, compiled, for the GPU run: gpu-check.sh hands them to gpu_check there, which
+# then compiles only what this run did not (autotune still measures on the GPU). Only for the
+# full sizes: --quick compiles other kernels than the GPU run needs.
+if [[ " $args " == *" --quick "* ]]; then
+    echo "(--quick: no kernel cache packed; run without --quick to pack one for the GPU)"
+    exit 0
+fi
+tar -C "$dir" -czf .gpu/kernel-cache.tar.gz kernel-cache
+binary_sha=$(sed -n 's/^sha256 (unpacked): //p' .gpu/manifest.txt)
+cat > .gpu/kernel-cache.txt <<EOF
+kernel cache: kernel-cache.tar.gz (CubeCL's compilation cache, PTX for sm_90a)
+for binary sha256: $binary_sha
+made: $(date -u +%Y-%m-%dT%H:%M:%SZ) by scripts/cuda-compile-check.sh (nvrtc 13.0.88, no GPU)
+kernels: $modules
+bytes packed: $(stat -c %s .gpu/kernel-cache.tar.gz)
+EOF
+cat .gpu/kernel-cache.txt
+packed=$(du -sb .gpu | cut -f1)
+limit_mib="${GPU_PACK_LIMIT_MIB:-56}"
+echo ".gpu/: $(awk -v b="$packed" 'BEGIN { printf "%.1f", b / 1048576 }') MiB with the kernel cache (limit $limit_mib MiB)"
+if (( packed > limit_mib * 1048576 )); then
+    echo "error: .gpu/ is over $limit_mib MiB with the kernel cache: the device tool cannot carry it; remove .gpu/kernel-cache.*" >&2
+    exit 1
+fi
