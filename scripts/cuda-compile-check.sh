@@ -12,6 +12,7 @@
 # cases fail by design and their values are not read here.
 #
 #   scripts/gpu-build.sh && scripts/cuda-compile-check.sh [--quick]
+#   scripts/cuda-compile-check.sh --stand-in-only     # CI: the stand-in builds (-Werror), no run
 #
 # --quick runs the speed part at the tiny sizes (the full sizes compile the kernels the GPU
 # run will, and need a few GB of host memory). Needs python3 with pip (PyPI), gcc. Writes
@@ -22,24 +23,34 @@ cd "$(dirname "$0")/.."
 dir=target/cuda-compile-check
 venv=$dir/venv
 args="--speed-anyway"
-[[ "${1:-}" == --quick ]] && args="$args --quick"
+mode=run
+case "${1:-}" in
+    "") ;;
+    --quick) args="$args --quick" ;;
+    --stand-in-only) mode=stand-in ;;
+    *) echo "usage: $0 [--quick | --stand-in-only]" >&2; exit 2 ;;
+esac
 
-if [[ ! -f .gpu/gpu_check.gz ]] || ! grep -q 'features cuda' .gpu/manifest.txt; then
+if [[ $mode == run ]] && { [[ ! -f .gpu/gpu_check.gz ]] || ! grep -q 'features cuda' .gpu/manifest.txt; }; then
     echo "error: .gpu/ holds no CUDA build: run scripts/gpu-build.sh first" >&2
     exit 2
 fi
 
-# The wheels of the GPU machine's torch 2.11.0+cu130 (nvrtc, the runtime's headers), and ptxas.
-if [[ ! -x $venv/bin/python3 ]] || ! "$venv/bin/python3" -c 'import nvidia' 2>/dev/null; then
-    python3 -m venv "$venv"
-    "$venv/bin/pip" install -q nvidia-cuda-nvrtc==13.0.88 nvidia-cuda-runtime==13.0.96 \
-        nvidia-cuda-nvcc==13.0.88
-fi
+# The wheels of the GPU machine's torch 2.11.0+cu130: the runtime's headers (cuda.h for the
+# stand-in, the rest for nvrtc), nvrtc; and ptxas. The stand-in alone needs only the first.
+wheels=(nvidia-cuda-runtime==13.0.96)
+[[ $mode == run ]] && wheels+=(nvidia-cuda-nvrtc==13.0.88 nvidia-cuda-nvcc==13.0.88)
+[[ -x $venv/bin/python3 ]] || python3 -m venv "$venv"
+"$venv/bin/pip" install -q --disable-pip-version-check "${wheels[@]}"
 cu13=$("$venv/bin/python3" -c 'import nvidia, os; print(os.path.join(list(nvidia.__path__)[0], "cu13"))')
 
 mkdir -p "$dir/fake"
 gcc -shared -fPIC -O1 -Wall -Wextra -Werror -I"$cu13/include" \
     -o "$dir/fake/libcuda.so.1" scripts/fake-cuda/fake_cuda.c
+if [[ $mode == stand-in ]]; then
+    echo "stand-in driver built: $dir/fake/libcuda.so.1 ($(nm -D --defined-only "$dir/fake/libcuda.so.1" | grep -c ' T cu') entry points)"
+    exit 0
+fi
 # A fresh kernel cache, so that nvrtc compiles every kernel; packed for the GPU run below.
 # And no autotune results of CUDA (CubeCL keeps them in target/autotune/): with them, autotune
 # would skip its candidates here, which the GPU, tuning afresh, compiles. This run's are
