@@ -4,10 +4,11 @@
 # (`carry: [".gpu"]`, 64 MiB in all), and scripts/gpu-check.sh runs it there.
 #
 #   scripts/gpu-build.sh        release build with CUDA: what the GPU runs
-#   scripts/gpu-build.sh --ci   CI: type-checks the CUDA build (no second compile of the world)
-#                               and packs the wgpu debug build that `cargo test --all-targets`
-#                               already made, so that packing, manifest and size check run on
-#                               every push; scripts/gpu-check.sh then runs it on lavapipe.
+#   scripts/gpu-build.sh --ci   CI: packs the wgpu debug build (its dependencies are those
+#                               `cargo test --all-targets` already built), so that packing,
+#                               manifest and size check run on every push; scripts/gpu-check.sh
+#                               then runs it on lavapipe. .ci/run type-checks the CUDA build
+#                               (no second compile of the world).
 #
 # .gpu/ holds gpu_check.gz (stripped, gzip -9) and manifest.txt (what was built, from which
 # commit, the binary's sha256 and the newest glibc symbol it needs).
@@ -28,7 +29,6 @@ case "${1:-}" in
         build="release, --features cuda (CUDARC_CUDA_VERSION=$CUDARC_CUDA_VERSION)"
         ;;
     --ci)
-        cargo check --features cuda --example gpu_check
         cargo build --example gpu_check
         bin=target/debug/examples/gpu_check
         build="debug, wgpu only (CI packing check)"
