@@ -4,11 +4,11 @@
 # (`carry: [".gpu"]`, 64 MiB in all), and scripts/gpu-check.sh runs it there.
 #
 #   scripts/gpu-build.sh        release build with CUDA: what the GPU runs
-#   scripts/gpu-build.sh --ci   CI: packs the wgpu debug build (its dependencies are those
-#                               `cargo test --all-targets` already built), so that packing,
-#                               manifest and size check run on every push; scripts/gpu-check.sh
-#                               then runs it on lavapipe. .ci/run type-checks the CUDA build
-#                               (no second compile of the world).
+#   scripts/gpu-build.sh --ci   CI: packs the wgpu debug build (with the README's test
+#                               command's features, so its dependencies are already built),
+#                               so that packing, manifest and size check run on every push;
+#                               scripts/gpu-check.sh then runs it on lavapipe. .ci/run
+#                               type-checks the CUDA build (no second compile of the world).
 #
 # .gpu/ holds gpu_check.gz (stripped, gzip -9) and manifest.txt (what was built, from which
 # commit, the binary's sha256 and the newest glibc symbol it needs).
@@ -29,7 +29,7 @@ case "${1:-}" in
         build="release, --features cuda (CUDARC_CUDA_VERSION=$CUDARC_CUDA_VERSION)"
         ;;
     --ci)
-        cargo build --example gpu_check
+        cargo build --no-default-features --example gpu_check
         bin=target/debug/examples/gpu_check
         build="debug, wgpu only (CI packing check)"
         # A debug build is several times a release one; the limit that matters is the
