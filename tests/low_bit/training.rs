@@ -15,7 +15,6 @@ use burn_amp::optim::{FusedAdamWConfig, MomentStorage, WeightRounding};
 use burn_amp::{Amp, MemorySaving, Precision, autocast};
 use burn_std::FloatDType;
 
-use crate::common;
 use crate::common::tiny_lm::{ReversalTask, TinyLmConfig};
 
 type B = Amp<Autodiff<Flex>>;
@@ -97,14 +96,17 @@ where
     M: AutodiffModule<B>,
     F: FnMut(&M, usize) -> Tensor<B, 1>,
 {
-    // `B::seed` is process-wide: one run at a time.
-    let _s = crate::serial();
     let device = Default::default();
     let _g = autocast(precision(v));
-    B::seed(&device, 3);
     let p = preset(v);
-    let mut model = p.prepare(init(&device));
-    let mut optim = p.optimizer::<B, M>().unwrap();
+    let (mut model, mut optim) = {
+        // `B::seed` is process-wide: the seed and the initialisation take turns with other
+        // tests. The steps draw nothing from it (the data and the rounding have their own
+        // generators), so the two training tests run side by side.
+        let _s = crate::serial();
+        B::seed(&device, 3);
+        (p.prepare(init(&device)), p.optimizer::<B, M>().unwrap())
+    };
     let mut tail = Vec::new();
     for step in 0..steps {
         let l = loss(&model, step);
@@ -116,6 +118,21 @@ where
         model = optim.step(lr, model, grads);
     }
     tail.iter().sum::<f32>() / tail.len() as f32
+}
+
+/// `run` for each variant, side by side: a thread each (with the large stack debug builds of
+/// deep burn calls need), as the runs share nothing after their initialisation.
+fn each_variant(run: impl Fn(Variant) -> f32 + Send + Sync + 'static) -> [f32; 4] {
+    let run = std::sync::Arc::new(run);
+    VARIANTS
+        .map(|v| {
+            let run = run.clone();
+            std::thread::Builder::new()
+                .stack_size(64 << 20)
+                .spawn(move || run(v))
+                .unwrap()
+        })
+        .map(|h| h.join().unwrap_or_else(|e| std::panic::resume_unwind(e)))
 }
 
 /// The final losses of the four variants, with the comparisons of the module docs.
@@ -152,27 +169,25 @@ fn compare(task: &str, losses: [f32; 4]) {
 
 #[test]
 fn tiny_lm_trains_as_well_in_six_bytes_per_parameter() {
-    common::big_stack(|| {
-        let config = TinyLmConfig::new()
-            .with_d_model(64)
-            .with_d_ff(256)
-            .with_seq_len(12)
-            .with_dropout(0.0);
-        let losses = VARIANTS.map(|v| {
-            let mut task = ReversalTask::new(config.vocab, config.seq_len, 5);
-            train(
-                v,
-                |d| config.init::<B>(d),
-                300,
-                (1e-3, 1.0),
-                |m, _| {
-                    let (x, y) = task.batch::<B>(32, &Default::default());
-                    m.loss(x, y)
-                },
-            )
-        });
-        compare("TinyLm reversal", losses);
+    let config = TinyLmConfig::new()
+        .with_d_model(64)
+        .with_d_ff(256)
+        .with_seq_len(12)
+        .with_dropout(0.0);
+    let losses = each_variant(move |v| {
+        let mut task = ReversalTask::new(config.vocab, config.seq_len, 5);
+        train(
+            v,
+            |d| config.init::<B>(d),
+            300,
+            (1e-3, 1.0),
+            |m, _| {
+                let (x, y) = task.batch::<B>(32, &Default::default());
+                m.loss(x, y)
+            },
+        )
     });
+    compare("TinyLm reversal", losses);
 }
 
 /// Two 3x3 convolutions, an average per quadrant and a linear classifier; the second
@@ -247,13 +262,11 @@ fn images(
 
 #[test]
 fn a_conv_net_trains_as_well_in_six_bytes_per_parameter() {
-    common::big_stack(|| {
-        let losses = VARIANTS.map(|v| {
-            train(v, ConvNet::<B>::new, 300, (3e-3, 0.1), |m, step| {
-                let (x, y) = images(step, 32, &Default::default());
-                m.loss(x, y)
-            })
-        });
-        compare("conv net", losses);
+    let losses = each_variant(|v| {
+        train(v, ConvNet::<B>::new, 300, (3e-3, 0.1), |m, step| {
+            let (x, y) = images(step, 32, &Default::default());
+            m.loss(x, y)
+        })
     });
+    compare("conv net", losses);
 }
