@@ -31,7 +31,7 @@ case "${1:-}" in
     --ci)
         cargo build --no-default-features --example gpu_check
         bin=target/debug/examples/gpu_check
-        build="debug, wgpu only (CI packing check)"
+        build="debug, wgpu only, no autotune (CI packing check)"
         # A debug build is several times a release one; the limit that matters is the
         # release build's, checked where it is built.
         limit_mib="${GPU_PACK_LIMIT_MIB:-512}"

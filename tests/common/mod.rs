@@ -50,10 +50,22 @@ pub fn wgpu_device() -> Option<WgpuDevice> {
 
 /// Runs `f` on a thread with a large stack: debug builds of deep burn calls need it.
 pub fn big_stack<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> T {
+    join(spawn_big_stack(f))
+}
+
+/// Starts `f` on a thread with a large stack, for runs side by side ([`join`] each).
+pub fn spawn_big_stack<T: Send + 'static>(
+    f: impl FnOnce() -> T + Send + 'static,
+) -> std::thread::JoinHandle<T> {
     std::thread::Builder::new()
         .stack_size(64 << 20)
         .spawn(f)
         .unwrap()
+}
+
+/// The thread's result; its panic, if it panicked, goes on in this thread.
+pub fn join<T>(handle: std::thread::JoinHandle<T>) -> T {
+    handle
         .join()
         .unwrap_or_else(|e| std::panic::resume_unwind(e))
 }

@@ -15,6 +15,7 @@ use burn_amp::optim::{FusedAdamWConfig, MomentStorage, WeightRounding};
 use burn_amp::{Amp, MemorySaving, Precision, autocast};
 use burn_std::FloatDType;
 
+use crate::common;
 use crate::common::tiny_lm::{ReversalTask, TinyLmConfig};
 
 type B = Amp<Autodiff<Flex>>;
@@ -120,19 +121,16 @@ where
     tail.iter().sum::<f32>() / tail.len() as f32
 }
 
-/// `run` for each variant, side by side: a thread each (with the large stack debug builds of
-/// deep burn calls need), as the runs share nothing after their initialisation.
+/// `run` for each variant, side by side on a thread each: the runs share nothing after their
+/// initialisation.
 fn each_variant(run: impl Fn(Variant) -> f32 + Send + Sync + 'static) -> [f32; 4] {
     let run = std::sync::Arc::new(run);
     VARIANTS
         .map(|v| {
             let run = run.clone();
-            std::thread::Builder::new()
-                .stack_size(64 << 20)
-                .spawn(move || run(v))
-                .unwrap()
+            common::spawn_big_stack(move || run(v))
         })
-        .map(|h| h.join().unwrap_or_else(|e| std::panic::resume_unwind(e)))
+        .map(common::join)
 }
 
 /// The final losses of the four variants, with the comparisons of the module docs.
