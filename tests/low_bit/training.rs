@@ -103,7 +103,7 @@ where
     let (mut model, mut optim) = {
         // `B::seed` is process-wide: the seed and the initialisation take turns with other
         // tests. The steps draw nothing from it (the data and the rounding have their own
-        // generators), so the two training tests run side by side.
+        // generators), so the runs go on side by side.
         let _s = crate::serial();
         B::seed(&device, 3);
         (p.prepare(init(&device)), p.optimizer::<B, M>().unwrap())
