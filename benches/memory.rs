@@ -1,6 +1,7 @@
 //! Where the memory of a TinyLm training step goes, on wgpu (lavapipe) with allocator
 //! figures: f32, f16 AMP, f16 AMP with half the parameters frozen, and f16 AMP with
-//! activation checkpointing. One table, ratios against f32, then one JSON line.
+//! activation checkpointing, ratios against f32; a validation epoch run on the autodiff model
+//! against one on `model.valid()`, with what `GrowthWatch` says of it; then one JSON line.
 //!
 //! `cargo bench --bench memory` (`cargo test` runs it small, as a smoke test).
 
@@ -16,7 +17,7 @@ use burn::optim::{GradientsParams, Optimizer};
 use burn::prelude::*;
 use burn::tensor::backend::AutodiffBackend;
 use burn_amp::kernels::AmpKernels;
-use burn_amp::memory::{DeviceMemory, MemoryReport, StepMemory};
+use burn_amp::memory::{DeviceMemory, GrowthWatch, MemoryReport, StepMemory};
 use burn_amp::optim::FusedAdamWConfig;
 use burn_amp::{Amp, Precision, autocast};
 use common::mib;
@@ -80,6 +81,66 @@ where
     }
     let _ = model.valid();
     last
+}
+
+/// A validation epoch after a training step (f16 AMP), run on the autodiff model or on
+/// `model.valid()`.
+struct ValidationEpoch {
+    /// Bytes in use above the epoch's start, at the highest sample (one after each batch).
+    added: u64,
+    /// The batch after which the `GrowthWatch` reported, and the rate it reported.
+    reported: Option<(usize, u64)>,
+    /// The activations of the training step before it, for scale.
+    step_activations: u64,
+}
+
+fn validation_epoch(
+    config: TinyLmConfig,
+    batch: usize,
+    batches: usize,
+    on_valid: bool,
+) -> ValidationEpoch {
+    type B = Amp<Autodiff<Wgpu>>;
+    let device = Default::default();
+    let _g = autocast(Precision::F16);
+    B::seed(&device, 1);
+    let mut model = config.init::<B>(&device);
+    let mut optim = FusedAdamWConfig::new()
+        .init::<B, TinyLm<B>>()
+        .expect("the default config is valid");
+    let mut task = ReversalTask::new(config.vocab, config.seq_len, 1);
+    let (x, y) = task.batch::<B>(batch, &device);
+    let mut memory = StepMemory::begin::<B>(&device);
+    let loss = model.loss(x, y);
+    memory.after_forward::<B>(&device);
+    let grads = GradientsParams::from_grads(loss.backward(), &model);
+    let report = memory.report::<B, _>(&model, Some(&grads), 0);
+    model = optim.step(1e-3, model, grads);
+    let in_use = || B::memory_snapshot(&device).map_or(0, |s| s.bytes_in_use);
+
+    let mut watch = GrowthWatch::default();
+    watch.set_report(report);
+    let start = in_use();
+    let (mut added, mut reported) = (0, None);
+    let valid = model.valid();
+    for b in 0..batches {
+        let (x, y) = task.batch::<B>(batch, &device);
+        // The loss read or not, the graph is what stays.
+        if on_valid {
+            drop(valid.loss(x.inner(), y.inner()));
+        } else {
+            drop(model.loss(x, y));
+        }
+        added = added.max(in_use().saturating_sub(start));
+        if let Err(growth) = watch.sample::<B>(&device) {
+            reported.get_or_insert((b + 1, growth.bytes_per_step));
+        }
+    }
+    ValidationEpoch {
+        added,
+        reported,
+        step_activations: report.activations.unwrap_or(0),
+    }
 }
 
 /// Number of float parameter tensors of `module`.
@@ -180,10 +241,50 @@ fn main() {
         "| CountingAlloc | {counting_ns:.1} | {:.3} |",
         counting_ns / system_ns
     );
+    // A validation epoch on the training model against one on `model.valid()`.
+    let batches = if quick { 12 } else { 20 };
+    let epoch = |on_valid: bool| {
+        let config = config.clone();
+        std::thread::spawn(move || validation_epoch(config, batch, batches, on_valid))
+            .join()
+            .unwrap()
+    };
+    let (graphs, valid) = (epoch(false), epoch(true));
+    println!();
+    println!(
+        "| validation epoch of {batches} batches after a step (f16 AMP) | MiB added at its highest | / the step's activations | GrowthWatch reported after batch | its rate / the step's activations |"
+    );
+    println!("|---|---|---|---|---|");
+    for (name, e) in [
+        ("on the autodiff model", &graphs),
+        ("on model.valid()", &valid),
+    ] {
+        println!(
+            "| {name} | {:.2} | {:.2} | {} | {} |",
+            mib(e.added),
+            e.added as f64 / e.step_activations.max(1) as f64,
+            e.reported.map_or("none".into(), |(b, _)| b.to_string()),
+            e.reported.map_or("-".into(), |(_, rate)| format!(
+                "{:.3}",
+                rate as f64 / e.step_activations.max(1) as f64
+            )),
+        );
+    }
+    let epoch_json = |e: &ValidationEpoch| {
+        format!(
+            "{{\"added\":{},\"reported_after\":{},\"rate\":{},\"step_activations\":{}}}",
+            e.added,
+            json_opt(e.reported.map(|(b, _)| b as u64)),
+            json_opt(e.reported.map(|(_, r)| r)),
+            e.step_activations
+        )
+    };
     report::emit(&format!(
-        "{{\"bench\":\"memory\",\"rows\":[{}],\"alloc_ns_system\":{system_ns:.2},\"alloc_ns_counting\":{counting_ns:.2},\"counting_overhead\":{:.4}}}",
+        "{{\"bench\":\"memory\",\"rows\":[{}],\"alloc_ns_system\":{system_ns:.2},\"alloc_ns_counting\":{counting_ns:.2},\"counting_overhead\":{:.4},\"validation_batches\":{batches},\"validation_on_autodiff\":{},\"validation_on_valid\":{}}}",
         json.join(","),
-        counting_ns / system_ns
+        counting_ns / system_ns,
+        epoch_json(&graphs),
+        epoch_json(&valid)
     ));
 }
 

@@ -9,7 +9,7 @@ use burn::backend::{Autodiff, Flex, Wgpu};
 use burn::prelude::*;
 use burn_amp::memory::DeviceMemory;
 use burn_amp::memory::{FreeMemory, MemorySource, budget_from_free, parameter_bytes};
-use common::memory::{DEPTH, WIDTH, assert_measured, step_report};
+use common::memory::{BATCH, DEPTH, SAVED, WIDTH, assert_measured, step_report};
 use common::models::DeepMlp;
 
 #[test]
@@ -183,6 +183,65 @@ fn out_of_memory_under_a_cap_is_typed_and_training_continues_smaller() {
                 );
             }
             assert_eq!(plan.micro_batches, 512usize.div_ceil(plan.micro_batch));
+        }
+    })
+    .join()
+    .unwrap();
+}
+
+/// A validation loop on the autodiff model, on the device allocator: each forward's graph is
+/// kept until a backward, which frees them all; the watch reports them, at the rate the
+/// backward then frees. On `model.valid()` nothing is kept.
+#[test]
+fn a_validation_loop_without_valid_is_reported_on_wgpu() {
+    use burn::module::AutodiffModule;
+    use burn_amp::memory::{GrowthCause, GrowthWatch};
+    use burn_amp::{Amp, Precision, autocast};
+    type B = Amp<Autodiff<Wgpu>>;
+    if common::wgpu_device().is_none() {
+        return;
+    }
+    // Memory is counted per thread: on a thread of its own.
+    std::thread::spawn(|| {
+        let _f32 = autocast(Precision::F32);
+        let device = Default::default();
+        let in_use = || B::memory_snapshot(&device).unwrap().bytes_in_use;
+        let model = DeepMlp::<B>::new(WIDTH, DEPTH, &device);
+        let x = Tensor::<B, 2>::ones([BATCH, WIDTH], &device);
+        let _ = model.forward(x.clone()).mean().backward();
+        let mut watch = GrowthWatch::default();
+        let mut forwards = 0;
+        let growth = loop {
+            drop(model.forward(x.clone()));
+            forwards += 1;
+            if let Err(growth) = watch.sample::<B>(&device) {
+                break growth;
+            }
+            assert!(forwards < 10, "no report after 10 samples");
+        };
+        assert_eq!(forwards, 10, "2 samples skipped and a window of 8");
+        assert_eq!(growth.cause, GrowthCause::GraphsWithoutBackward, "{growth}");
+        // What one backward frees is what the forwards kept.
+        let held = in_use();
+        let _ = model.forward(x.clone()).mean().backward();
+        let per_forward = (held - in_use()) / forwards;
+        assert!(
+            growth.bytes_per_step.abs_diff(per_forward) < per_forward / 20,
+            "reported {} bytes a step, a backward freed {per_forward} a forward",
+            growth.bytes_per_step
+        );
+        // Fusion keeps fewer tensors than Flex saves (the hand count `SAVED`), never more.
+        assert!(
+            (SAVED / 2..=SAVED + SAVED / 10).contains(&per_forward),
+            "{per_forward} bytes a forward, saved activations {SAVED}"
+        );
+
+        let valid = model.valid();
+        let x = x.inner();
+        let mut watch = GrowthWatch::default();
+        for _ in 0..20 {
+            drop(valid.forward(x.clone()));
+            assert_eq!(watch.sample::<B>(&device).err(), None);
         }
     })
     .join()

@@ -11,12 +11,18 @@ use std::sync::{Mutex, MutexGuard};
 
 use burn::backend::autodiff::checkpoint::strategy::BalancedCheckpointing;
 use burn::backend::{Autodiff, Flex};
+use burn::module::AutodiffModule;
 use burn::nn::{Linear, LinearConfig};
+use burn::optim::{GradientsParams, Optimizer, SgdConfig};
 use burn::prelude::*;
 use burn::tensor::FloatDType;
-use burn_amp::memory::{CountingAlloc, MemoryReport, MemorySource, StepMemory};
-use burn_amp::{Amp, Frozen, freeze};
-use common::memory::{assert_measured, step_report};
+use burn_amp::memory::{
+    CountingAlloc, GrowthCause, GrowthWatch, MemoryGrowth, MemoryReport, MemorySource, StepMemory,
+};
+use burn_amp::scaler::GradScalerConfig;
+use burn_amp::{Amp, AmpOptimizer, Frozen, Precision, autocast, freeze};
+use common::memory::{BATCH, DEPTH, SAVED, WIDTH, assert_measured, step_report};
+use common::models::DeepMlp;
 
 #[global_allocator]
 static ALLOC: CountingAlloc = CountingAlloc::new();
@@ -131,4 +137,145 @@ fn half_frozen_storage_is_never_advised_twice() {
     assert!(!half_frozen.settings.frozen_storage_half || advises(&half_frozen).is_none());
     assert!(half_frozen.settings.frozen_storage_half);
     assert_eq!(advises(&half_frozen), None, "{half_frozen}");
+}
+
+/// Samples `watch` after each of `n` runs of `step`; the reports, with the sample they came at.
+fn watch_over<B: burn_amp::memory::DeviceMemory>(
+    watch: &mut GrowthWatch,
+    n: usize,
+    mut step: impl FnMut(),
+) -> Vec<(usize, MemoryGrowth)> {
+    let device = Default::default();
+    (0..n)
+        .filter_map(|i| {
+            step();
+            watch.sample::<B>(&device).err().map(|g| (i, g))
+        })
+        .collect()
+}
+
+/// A validation loop run on the autodiff model: autodiff keeps every forward's graph, with
+/// the activations it saved, until the next backward. The watch names that cause, at the rate
+/// of one forward's saved activations (the hand count `SAVED`); a backward frees them all;
+/// `model.valid()` keeps nothing.
+#[test]
+fn a_validation_loop_on_the_autodiff_model_is_reported_as_graphs_kept_without_backward() {
+    let _s = serial();
+    type B = Amp<Autodiff<Flex>>;
+    let _f32 = autocast(Precision::F32); // the hand count is f32
+    let device = Default::default();
+    let model = DeepMlp::<B>::new(WIDTH, DEPTH, &device);
+    let x = Tensor::<B, 2>::ones([BATCH, WIDTH], &device);
+    let _ = model.forward(x.clone()).mean().backward(); // one-time allocations
+    let mut watch = GrowthWatch::default();
+    watch.set_report(step_report::<B>());
+
+    let before = CountingAlloc::bytes_in_use().unwrap();
+    let reports = watch_over::<B>(&mut watch, 10, || drop(model.forward(x.clone())));
+    // 2 samples skipped, then a window of 8: the 10th sample reports.
+    assert_eq!(reports.len(), 1, "{reports:?}");
+    let (at, growth) = &reports[0];
+    eprintln!("{growth}");
+    assert_eq!(*at, 9);
+    assert_eq!(growth.cause, GrowthCause::GraphsWithoutBackward);
+    assert_eq!(growth.backward_passes, Some(0));
+    assert!(
+        (SAVED..=SAVED + SAVED / 10).contains(&growth.bytes_per_step),
+        "{} bytes a step, saved activations {SAVED}",
+        growth.bytes_per_step
+    );
+    assert_eq!(growth.matches.map(|m| m.0), Some("one step's activations"));
+    assert!(growth.to_string().contains("model.valid()"), "{growth}");
+
+    // The next backward frees every kept graph (burn-autodiff 0.21's cleanup).
+    let held = CountingAlloc::bytes_in_use().unwrap();
+    assert!(
+        held >= before + 9 * SAVED,
+        "{held} < {before} + 9 x {SAVED}"
+    );
+    let _ = model.forward(x.clone()).mean().backward();
+    let after = CountingAlloc::bytes_in_use().unwrap();
+    assert!(
+        after < before + SAVED / 2,
+        "{after} vs {before} before the loop"
+    );
+
+    // On the inner backend no graph is built: flat, no report.
+    let valid = model.valid();
+    let x = x.inner();
+    let mut watch = GrowthWatch::default();
+    let mut bytes = Vec::new();
+    let reports = watch_over::<B>(&mut watch, 20, || {
+        drop(valid.forward(x.clone()));
+        bytes.push(CountingAlloc::bytes_in_use().unwrap());
+    });
+    assert!(reports.is_empty(), "{reports:?}");
+    let spread = bytes[2..].iter().max().unwrap() - bytes[2..].iter().min().unwrap();
+    assert!(
+        spread < 4096,
+        "valid() forwards moved memory by {spread} bytes"
+    );
+}
+
+/// Without `Amp` nothing counts backward passes: the report names both causes.
+#[test]
+fn a_plain_autodiff_backend_gets_both_causes() {
+    let _s = serial();
+    type B = Autodiff<Flex>;
+    let device = Default::default();
+    let model = DeepMlp::<B>::new(WIDTH, DEPTH, &device);
+    let x = Tensor::<B, 2>::ones([BATCH, WIDTH], &device);
+    let _ = model.forward(x.clone()).mean().backward();
+    let reports = watch_over::<B>(&mut GrowthWatch::default(), 10, || {
+        drop(model.forward(x.clone()))
+    });
+    let growth = &reports.first().expect("a report").1;
+    assert_eq!(
+        (growth.cause, growth.backward_passes),
+        (GrowthCause::Unknown, None)
+    );
+    // Freed for the tests after this one.
+    let _ = model.forward(x).mean().backward();
+}
+
+/// Under `AmpOptimizer::track_memory` the bytes after each step are watched: a loop that
+/// keeps each step's output (detached: the graph is freed, the values are not) is reported at
+/// the output's size a step, as tensors kept across steps; the same loop without it is not.
+#[test]
+fn a_training_loop_keeping_its_outputs_is_reported_by_the_optimizer_monitor() {
+    let _s = serial();
+    type B = Amp<Autodiff<Flex>>;
+    let _f32 = autocast(Precision::F32);
+    let device = Default::default();
+    let run = |keep: bool| {
+        let mut model = DeepMlp::<B>::new(WIDTH, DEPTH, &device);
+        let x = Tensor::<B, 2>::ones([BATCH, WIDTH], &device);
+        let sgd = SgdConfig::new().init::<B, DeepMlp<B>>();
+        let mut optim = AmpOptimizer::new(sgd, GradScalerConfig::new())
+            .expect("one optimizer at a time")
+            .track_memory(1);
+        let monitor = optim.monitor();
+        let mut kept = Vec::with_capacity(16);
+        for _ in 0..12 {
+            let y = model.forward(x.clone());
+            let grads = GradientsParams::from_grads(y.clone().mean().backward(), &model);
+            model = optim.step(1e-3, model, grads);
+            if keep {
+                kept.push(y.detach());
+            }
+        }
+        monitor.memory_growth()
+    };
+    assert_eq!(run(false), None);
+    let growth = run(true).expect("a report");
+    eprintln!("{growth}");
+    assert_eq!(growth.cause, GrowthCause::KeptAcrossSteps);
+    assert_eq!(growth.backward_passes, Some(7));
+    let output = (BATCH * WIDTH * 4) as u64;
+    assert!(
+        growth.bytes_per_step.abs_diff(output) < output / 20,
+        "{} bytes a step, the output is {output}",
+        growth.bytes_per_step
+    );
+    assert!(growth.to_string().contains("into_data"), "{growth}");
 }

@@ -14,7 +14,9 @@
 //! `every`-th micro-step, the allocator's bytes in use are read when `backward` starts (the
 //! activations autodiff saved are all live), when the step starts (parameters, gradients,
 //! optimizer state) and after it. Each read waits for the device (CubeCL keeps no peak and
-//! counts per thread, so the training thread must read): sample every few hundred steps.
+//! counts per thread, so the training thread must read): sample every few hundred steps. The
+//! bytes in use after each sampled step are watched for a steady climb (a leak:
+//! [`ScalerMonitor::memory_growth`], and a warning in the log).
 //!
 //! burn-train updates metrics on a thread of its own, after the training loop handed it the
 //! item: a metric shows the scaler as it is then, which may be a step or two past that item.
@@ -33,6 +35,8 @@ use burn::train::metric::{
     Metric, MetricAttributes, MetricMetadata, MetricName, Numeric, NumericAttributes, NumericEntry,
     SerializedEntry,
 };
+
+use crate::memory::{GrowthWatch, MemoryGrowth};
 
 /// The scaler's figures at one point of training.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -59,8 +63,9 @@ pub struct StepMemoryFigures {
 
 type Reader = Box<dyn Fn() -> (f32, f32) + Send>;
 
-/// Reads the bytes in use on a device (`&B::Device` as `&dyn Any`); `None` without figures.
-pub(crate) type MemoryProbe = Arc<dyn Fn(&dyn Any) -> Option<u64> + Send + Sync>;
+/// Reads the bytes in use on a device (`&B::Device` as `&dyn Any`), with the backward passes
+/// so far where the backend counts them; `None` without figures.
+pub(crate) type MemoryProbe = Arc<dyn Fn(&dyn Any) -> Option<(u64, Option<u64>)> + Send + Sync>;
 
 /// Where in a micro-step a memory sample is taken.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -77,6 +82,9 @@ struct MemoryTracking {
     at_step: Option<u64>,
     after_previous: Option<u64>,
     last: Option<StepMemoryFigures>,
+    /// The bytes in use after each sampled step, watched for a steady climb.
+    growth: GrowthWatch,
+    climb: Option<MemoryGrowth>,
 }
 
 #[derive(Default)]
@@ -147,20 +155,24 @@ impl ScalerMonitor {
             at_step: None,
             after_previous: None,
             last: None,
+            growth: GrowthWatch::default(),
+            climb: None,
         });
     }
 
     /// Samples the bytes in use at `point` of the current micro-step, if it is a sampled one.
     pub(crate) fn sample(&self, point: SamplePoint, device: &dyn Any) {
-        let probe = {
+        let (probe, micro_step) = {
             let state = self.lock();
             match &state.memory {
-                Some(m) if state.micro_steps.is_multiple_of(m.every) => m.probe.clone(),
+                Some(m) if state.micro_steps.is_multiple_of(m.every) => {
+                    (m.probe.clone(), state.micro_steps)
+                }
                 _ => return,
             }
         };
         // Outside the lock: the read waits for the device.
-        let Some(bytes) = probe(device) else {
+        let Some((bytes, backward_passes)) = probe(device) else {
             return;
         };
         let mut state = self.lock();
@@ -181,6 +193,10 @@ impl ScalerMonitor {
                     after_step_bytes: bytes,
                 });
                 m.after_previous = Some(bytes);
+                if let Err(climb) = m.growth.record(micro_step, bytes, backward_passes) {
+                    log::warn!("burn-amp: {climb}");
+                    m.climb = Some(climb);
+                }
             }
         }
     }
@@ -189,6 +205,13 @@ impl ScalerMonitor {
     /// [`track_memory`](super::AmpOptimizer::track_memory), or without allocator figures).
     pub fn step_memory(&self) -> Option<StepMemoryFigures> {
         self.lock().memory.as_ref().and_then(|m| m.last)
+    }
+
+    /// The last steady climb of the memory in use after the sampled steps (a leak: see
+    /// [`GrowthWatch`]), also logged as a warning when found; `None` while there is none, or
+    /// without [`track_memory`](super::AmpOptimizer::track_memory).
+    pub fn memory_growth(&self) -> Option<MemoryGrowth> {
+        self.lock().memory.as_ref().and_then(|m| m.climb.clone())
     }
 
     /// The figures now: one read from the device, unless nothing changed since the last.

@@ -341,13 +341,16 @@ where
     /// [`StepMemoryMetric`] and [`ActivationMemoryMetric`] ([`metrics`]): at the start of
     /// backward, of the step, and after it. Each sample waits for the device: keep `every`
     /// in the hundreds for a real run. Backends without allocator figures (Flex) give none.
+    /// The bytes after each sampled step are watched for a steady climb, a leak
+    /// ([`ScalerMonitor::memory_growth`](metrics::ScalerMonitor::memory_growth), and a warning
+    /// in the log).
     pub fn track_memory(self, every: usize) -> Self
     where
         B: DeviceMemory,
     {
         let probe: MemoryProbe = Arc::new(|device: &dyn core::any::Any| {
             let device = device.downcast_ref::<B::Device>()?;
-            B::memory_snapshot(device).map(|s| s.bytes_in_use)
+            B::memory_snapshot(device).map(|s| (s.bytes_in_use, B::backward_passes(device)))
         });
         self.monitor.track_memory(probe, every as u64);
         self

@@ -7,6 +7,7 @@
 //! Stack it above autodiff, `Amp<Autodiff<B>>`: the casts are then part of the graph, f32
 //! parameters get f32 gradients, and the activations autodiff saves are in f16/bf16.
 
+mod backward_passes;
 #[cfg(feature = "ddp")]
 mod distributed;
 mod host_reads;
@@ -19,6 +20,8 @@ use core::marker::PhantomData;
 use burn_backend::tensor::{BoolTensor, FloatTensor, IntTensor, QuantizedTensor};
 use burn_backend::{AutodiffBackend, Backend, BackendTypes, DType, DTypeUsageSet, ExecutionError};
 
+pub use backward_passes::backward_passes;
+pub(crate) use backward_passes::count_backward_pass;
 pub(crate) use host_reads::count_host_read;
 pub use host_reads::host_reads;
 pub use policy::{Category, Op};
@@ -100,7 +103,10 @@ impl<B: AutodiffBackend> AutodiffBackend for Amp<B> {
 
     fn backward(tensor: FloatTensor<Self>) -> Self::Gradients {
         // × the loss scale when an `AmpOptimizer` is installed and the precision is f16.
-        B::backward(crate::amp_optimizer::registry::scale_root::<B>(tensor))
+        let grads = B::backward(crate::amp_optimizer::registry::scale_root::<B>(tensor));
+        // Counted once done: autodiff has then freed the graphs no backward can reach.
+        count_backward_pass();
+        grads
     }
 
     fn grad(

@@ -66,6 +66,14 @@ pub trait DeviceMemory: Backend {
     fn empty_cache(device: &Self::Device) {
         Self::memory_cleanup(device)
     }
+
+    /// Backward passes run in this process, where this backend sees them: `Amp<B>` over an
+    /// autodiff backend counts its own; `None` elsewhere. [`GrowthWatch`] tells graphs kept
+    /// without a backward from tensors kept across steps with it.
+    fn backward_passes(device: &Self::Device) -> Option<u64> {
+        let _ = device;
+        None
+    }
 }
 
 /// Free and total memory of a device, as its driver reports them.
@@ -154,7 +162,7 @@ impl<B: burn_fusion::FusionBackend + DeviceMemory> DeviceMemory for burn_fusion:
 /// `DeviceMemory` for a decorator backend whose device is its inner `B`'s: every figure is
 /// `B`'s.
 macro_rules! forward_device_memory {
-    (impl<$($g:ident),*> for $ty:ty where $($bounds:tt)*) => {
+    (impl<$($g:ident),*> for $ty:ty where [$($bounds:tt)*] { $($extra:item)* }) => {
         impl<$($g),*> DeviceMemory for $ty
         where
             $($bounds)*
@@ -174,15 +182,22 @@ macro_rules! forward_device_memory {
             fn free_memory(device: &Self::Device) -> Option<FreeMemory> {
                 B::free_memory(device)
             }
+
+            $($extra)*
         }
     };
 }
 
-forward_device_memory!(impl<B, C> for burn::backend::Autodiff<B, C> where
+// Not `B`'s backward count: an `Amp` below autodiff never sees a backward.
+forward_device_memory!(impl<B, C> for burn::backend::Autodiff<B, C> where [
     B: DeviceMemory,
     C: burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy,
-);
-forward_device_memory!(impl<B> for crate::Amp<B> where B: DeviceMemory,);
+] {});
+forward_device_memory!(impl<B> for crate::Amp<B> where [B: DeviceMemory] {
+    fn backward_passes(device: &Self::Device) -> Option<u64> {
+        B::ad_enabled(device).then(crate::backend::backward_passes)
+    }
+});
 
 /// The highest `bytes_in_use` seen across samples: CubeCL keeps no peak, so sample at the
 /// points where memory is highest (after forward, after backward).
@@ -267,12 +282,14 @@ pub use crate::grads::gradient_bytes;
 
 mod counting;
 mod finder;
+mod growth;
 mod guard;
 mod report;
 mod step;
 
 pub use counting::CountingAlloc;
 pub use finder::{BatchPlan, FinderError, find_micro_batch};
+pub use growth::{GrowthCause, GrowthWatch, GrowthWatchConfig, GrowthWatchError, MemoryGrowth};
 pub use guard::{GuardError, MemoryGuard, OutOfMemory, budget_from_free};
 pub use report::{Advice, MemoryReport, StepSettings};
 pub use step::StepMemory;
