@@ -510,13 +510,18 @@ where
     let wall = start.elapsed().as_secs_f64();
     let scaler = monitor.snapshot();
     let memory = monitor.step_memory();
+    // A steady climb of the bytes after the sampled steps (a leak): none expected here.
+    let growth = monitor.memory_growth();
+    if let Some(growth) = &growth {
+        eprintln!("{growth}");
+    }
 
     // A fresh held-out batch, on the inference model `Learner` returns (`Amp<IB>`).
     let (x, y) = ReversalTask::new(config.vocab, config.seq_len, args.seed + 2)
         .batch::<<B<IB> as AutodiffBackend>::InnerBackend>(256, &Default::default());
     let accuracy = result.model.lm.accuracy(x, y);
     println!(
-        "{{\"example\":\"learner\",\"backend\":\"{}\",\"precision\":\"{precision}\",\"devices\":{},\"sharded\":{},\"epochs\":{},\"micro_batch\":{},\"accum\":{},\"learner_iterations\":{},\"optimizer_steps\":{},\"skipped_steps\":{},\"loss_scale\":{},\"heldout_accuracy\":{accuracy},\"step_peak_bytes\":{},\"activation_bytes\":{},\"wall_s\":{wall:.3}}}",
+        "{{\"example\":\"learner\",\"backend\":\"{}\",\"precision\":\"{precision}\",\"devices\":{},\"sharded\":{},\"epochs\":{},\"micro_batch\":{},\"accum\":{},\"learner_iterations\":{},\"optimizer_steps\":{},\"skipped_steps\":{},\"loss_scale\":{},\"heldout_accuracy\":{accuracy},\"step_peak_bytes\":{},\"activation_bytes\":{},\"memory_growth_watched\":{track_memory},\"memory_growth_bytes_per_step\":{},\"wall_s\":{wall:.3}}}",
         args.backend,
         args.devices,
         args.sharded,
@@ -531,6 +536,7 @@ where
         memory
             .and_then(|m| m.activation_bytes)
             .map_or("null".to_string(), |b| b.to_string()),
+        growth.map_or("null".to_string(), |g| g.bytes_per_step.to_string()),
     );
     Ok(())
 }

@@ -5,6 +5,17 @@
 
 mod common;
 
+use std::sync::{Mutex, MutexGuard};
+
+/// The wgpu tests take turns: a backward on any thread frees the graphs every thread's
+/// forwards left (burn-autodiff's cleanup is process-wide), and the validation-loop test
+/// counts those.
+static SERIAL: Mutex<()> = Mutex::new(());
+
+fn serial() -> MutexGuard<'static, ()> {
+    SERIAL.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 use burn::backend::{Autodiff, Flex, Wgpu};
 use burn::prelude::*;
 use burn_amp::memory::DeviceMemory;
@@ -14,6 +25,7 @@ use common::models::DeepMlp;
 
 #[test]
 fn activations_are_measured_on_wgpu() {
+    let _s = serial();
     if common::wgpu_device().is_none() {
         return;
     }
@@ -118,6 +130,7 @@ fn guarded_step(
 
 #[test]
 fn out_of_memory_under_a_cap_is_typed_and_training_continues_smaller() {
+    let _s = serial();
     if common::wgpu_device().is_none() {
         return;
     }
@@ -194,6 +207,7 @@ fn out_of_memory_under_a_cap_is_typed_and_training_continues_smaller() {
 /// backward then frees. On `model.valid()` nothing is kept.
 #[test]
 fn a_validation_loop_without_valid_is_reported_on_wgpu() {
+    let _s = serial();
     use burn::module::AutodiffModule;
     use burn_amp::memory::{GrowthCause, GrowthWatch};
     use burn_amp::{Amp, Precision, autocast};
@@ -225,14 +239,15 @@ fn a_validation_loop_without_valid_is_reported_on_wgpu() {
         let held = in_use();
         let _ = model.forward(x.clone()).mean().backward();
         let per_forward = (held - in_use()) / forwards;
+        eprintln!("{growth}\nfreed by the next backward: {per_forward} bytes a forward");
         assert!(
             growth.bytes_per_step.abs_diff(per_forward) < per_forward / 20,
             "reported {} bytes a step, a backward freed {per_forward} a forward",
             growth.bytes_per_step
         );
-        // Fusion keeps fewer tensors than Flex saves (the hand count `SAVED`), never more.
+        // What autodiff saves for backward: the hand count, as on Flex.
         assert!(
-            (SAVED / 2..=SAVED + SAVED / 10).contains(&per_forward),
+            (SAVED..=SAVED + SAVED / 10).contains(&per_forward),
             "{per_forward} bytes a forward, saved activations {SAVED}"
         );
 

@@ -4,8 +4,8 @@
 //! The commonest in Burn: forward passes on the autodiff backend that never reach `backward`
 //! (a validation or inference loop run on the training model). Autodiff keeps each such graph,
 //! with the activations it saved for a backward, until the next backward runs: burn-autodiff
-//! 0.21 frees graphs no backward can reach only then, so a validation epoch holds every
-//! batch's activations at once. `model.valid()` runs on the inner backend and builds no graph
+//! 0.21 frees graphs no backward can reach only then (a backward on any thread frees every
+//! thread's), so a validation epoch holds every batch's activations at once. `model.valid()` runs on the inner backend and builds no graph
 //! (PyTorch's `no_grad`; burn-train's `Learner` validates that way). The other kind: tensors
 //! from every step kept alive (outputs, losses or gradients collected in a `Vec`).
 //!
