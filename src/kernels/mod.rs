@@ -1,11 +1,10 @@
 //! What burn-amp's kernels share. The kernels themselves live beside the concept they serve,
 //! each as an extension trait whose every method has a plain burn-op default:
 //!
-//! - [`ScalerKernels`](crate::scaler::ScalerKernels): the inf/NaN check, unscaling, the scale
-//!   update;
-//! - [`OptimKernels`](crate::optim::OptimKernels): the fused AdamW (f32 or 8-bit moments,
-//!   optionally rounding stochastically into half-precision parameters) and SGD steps;
-//! - [`AccumKernels`](crate::accumulate::AccumKernels): `acc += grad × weight` in f32.
+//! - [`ScalerKernels`]: the inf/NaN check, unscaling, the scale update;
+//! - [`OptimKernels`]: the fused AdamW (f32 or 8-bit moments, optionally rounding
+//!   stochastically into half-precision parameters) and SGD steps;
+//! - [`AccumKernels`]: `acc += grad × weight` in f32.
 //!
 //! [`AmpKernels`] is their sum. CubeCL backends (`CubeBackend`, and the `Fusion<CubeBackend>`
 //! that burn-wgpu and burn-cuda use by default) override the defaults with the kernels of

@@ -1,19 +1,4 @@
 //! Exact memory figures for CPU backends: a counting global allocator.
-//!
-//! Flex and ndarray allocate their tensors from the process heap and keep no counters, and the
-//! resident set of the process does not fall when the system allocator keeps freed pages, so
-//! neither tells how much a step's activations take. Installed in one line, this allocator
-//! counts the bytes the heap hands out and takes back, and keeps the highest figure since the
-//! last reset: a true peak, not a sample.
-//!
-//! ```no_run
-//! #[global_allocator]
-//! static ALLOC: burn_amp::memory::CountingAlloc = burn_amp::memory::CountingAlloc::new();
-//! ```
-//!
-//! Cost: two relaxed atomic operations per allocation and one per free, on top of the system
-//! allocator. The figures are the whole process's heap (data loaders and other threads
-//! included): measure a step with nothing else running, as the examples do.
 
 use core::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::alloc::{GlobalAlloc, Layout, System};
@@ -23,7 +8,22 @@ static PEAK: AtomicU64 = AtomicU64::new(0);
 static ALLOCATIONS: AtomicU64 = AtomicU64::new(0);
 static INSTALLED: AtomicBool = AtomicBool::new(false);
 
-/// The system allocator, counting. See the [module docs](self).
+/// The system allocator, counting: exact memory figures for CPU backends.
+///
+/// Flex and ndarray allocate their tensors from the process heap and keep no counters, and the
+/// resident set of the process does not fall when the system allocator keeps freed pages, so
+/// neither tells how much a step's activations take. Installed in one line, this allocator
+/// counts the bytes the heap hands out and takes back, and keeps the highest figure since the
+/// last reset: a true peak, not a sample.
+///
+/// ```no_run
+/// #[global_allocator]
+/// static ALLOC: burn_amp::memory::CountingAlloc = burn_amp::memory::CountingAlloc::new();
+/// ```
+///
+/// Cost: two relaxed atomic operations per allocation and one per free, on top of the system
+/// allocator. The figures are the whole process's heap (data loaders and other threads
+/// included): measure a step with nothing else running, as the examples do.
 #[derive(Debug, Default, Clone, Copy)]
 pub struct CountingAlloc;
 

@@ -1,20 +1,4 @@
-//! [`GrowthWatch`]: memory that climbs step after step is a leak, not a batch too large, and
-//! no smaller batch fixes it.
-//!
-//! The commonest in Burn: forward passes on the autodiff backend that never reach `backward`
-//! (a validation or inference loop run on the training model). Autodiff keeps each such graph,
-//! with the activations it saved for a backward, until the next backward runs: burn-autodiff
-//! 0.21 frees graphs no backward can reach only then (a backward on any thread frees every
-//! thread's), so a validation epoch holds every batch's activations at once. `model.valid()` runs on the inner backend and builds no graph
-//! (PyTorch's `no_grad`; burn-train's `Learner` validates that way). The other kind: tensors
-//! from every step kept alive (outputs, losses or gradients collected in a `Vec`).
-//!
-//! Sample at the same point of every step (after the optimizer step, or after each validation
-//! batch). The first samples are skipped (optimizer state, pools and caches are allocated
-//! once), then a climb is reported when it spans a whole window: a slope above a floor, with
-//! most steps rising, so one allocation that stays (a lazily created moment) is not a leak.
-//! Under `Amp<B>` the backward passes between the samples are counted, which tells the two
-//! kinds apart.
+//! [`GrowthWatch`]: a steady climb of the memory in use, step after step, reported as a leak.
 
 use core::fmt;
 use std::collections::VecDeque;
@@ -156,8 +140,24 @@ struct Sample {
     backward_passes: Option<u64>,
 }
 
-/// Watches the memory in use at the same point of every step and reports a steady climb. See
-/// the [module docs](self).
+/// Watches the memory in use at the same point of every step and reports a steady climb: a
+/// leak, which no smaller batch fixes.
+///
+/// The commonest in Burn: forward passes on the autodiff backend that never reach `backward`
+/// (a validation or inference loop run on the training model). Autodiff keeps each such
+/// graph, with the activations it saved for a backward, until the next backward runs:
+/// burn-autodiff 0.21 frees graphs no backward can reach only then (a backward on any thread
+/// frees every thread's), so a validation epoch holds every batch's activations at once.
+/// `model.valid()` runs on the inner backend and builds no graph (PyTorch's `no_grad`;
+/// burn-train's `Learner` validates that way). The other kind: tensors from every step kept
+/// alive (outputs, losses or gradients collected in a `Vec`).
+///
+/// Sample at the same point of every step (after the optimizer step, or after each
+/// validation batch). The first samples are skipped (optimizer state, pools and caches are
+/// allocated once), then a climb is reported when it spans a whole window: a slope above a
+/// floor, with most steps rising, so one allocation that stays (a lazily created moment) is
+/// not a leak. Under `Amp<B>` the backward passes between the samples are counted, which
+/// tells the two kinds apart.
 ///
 /// ```ignore
 /// let mut watch = GrowthWatchConfig::new().init()?;
@@ -203,9 +203,9 @@ impl GrowthWatch {
         self.report = Some(report);
     }
 
-    /// Samples the bytes in use on `device` as the next step (this waits for the device).
-    /// `Ok(None)` where the backend has no figures (Flex without
-    /// [`CountingAlloc`](super::CountingAlloc)).
+    /// Samples the bytes in use on `device` as the next step (this waits for the device;
+    /// CubeCL counts per thread: sample on the thread that runs the model). `Ok(None)` where
+    /// the backend has no figures (Flex without [`CountingAlloc`](super::CountingAlloc)).
     ///
     /// # Errors
     /// [`MemoryGrowth`] once a climb spans the window; the window then starts again, so the

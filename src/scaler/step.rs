@@ -1,14 +1,4 @@
-//! The one step path: [`GradScaler::step`](super::GradScaler::step) hands the gradients and
-//! the step's [`ScaleSignals`] to anything that is a [`ScaledStep`]:
-//!
-//! - burn-amp's fused optimizers ([`ScaledAdaptor`](crate::optim::ScaledAdaptor)): the check
-//!   and the skip happen on the device, no host read;
-//! - any Burn optimizer: Burn's own `OptimizerAdaptor` (Adam, AdamW, SGD, RMSProp, ...) as it
-//!   is, any other [`Optimizer`] wrapped in [`Unfused`]: the gradients are unscaled and cast to
-//!   their parameters' dtypes, and `found_inf` is read once to decide the skip (PyTorch's
-//!   non-fused path does the same);
-//! - [`GradientAccumulation`](crate::GradientAccumulation) around either: mid-window it adds
-//!   the still-scaled gradients and reports [`StepOutcome::Accumulated`].
+//! [`ScaledStep`]: the one step path of the loss scaler.
 
 use burn::module::AutodiffModule;
 use burn::optim::adaptor::OptimizerAdaptor;
@@ -61,7 +51,19 @@ pub enum StepOutcome<B: Backend> {
     Accumulated,
 }
 
-/// An optimizer the loss scaler can step. See the [module docs](self).
+/// An optimizer the loss scaler can step.
+///
+/// The one step path: [`GradScaler::step`](super::GradScaler::step) hands the gradients and
+/// the step's [`ScaleSignals`] to anything that is a [`ScaledStep`]:
+///
+/// - burn-amp's fused optimizers ([`ScaledAdaptor`](crate::optim::ScaledAdaptor)): the check
+///   and the skip happen on the device, no host read;
+/// - any Burn optimizer: Burn's own `OptimizerAdaptor` (Adam, AdamW, SGD, RMSProp, ...) as it
+///   is, any other [`Optimizer`] wrapped in [`Unfused`]: the gradients are unscaled and cast to
+///   their parameters' dtypes, and `found_inf` is read once to decide the skip (PyTorch's
+///   non-fused path does the same);
+/// - [`GradientAccumulation`](crate::GradientAccumulation) around either: mid-window it adds
+///   the still-scaled gradients and reports [`StepOutcome::Accumulated`].
 pub trait ScaledStep<M: AutodiffModule<B>, B: AutodiffBackend> {
     /// One step on `module`'s gradients. `scale` is `None` when they are not scaled (bf16,
     /// f32, or a disabled scaler): then this is a plain optimizer step, with each gradient in
