@@ -36,7 +36,7 @@ use burn::train::metric::{
     SerializedEntry,
 };
 
-use crate::memory::{GrowthWatch, MemoryGrowth};
+use crate::memory::{GrowthWatch, MemoryGrowth, mib};
 
 /// The scaler's figures at one point of training.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -310,10 +310,6 @@ scaler_metric!(
     0,
     |m| m.snapshot().skipped_steps as f64
 );
-
-fn mib(bytes: u64) -> f64 {
-    bytes as f64 / (1u64 << 20) as f64
-}
 
 scaler_metric!(
     /// The peak bytes in use of the last sampled micro-step, in MiB (NaN before a sample, or

@@ -6,7 +6,7 @@ use std::collections::VecDeque;
 use burn::config::Config;
 use thiserror::Error;
 
-use super::{DeviceMemory, MemoryReport, budget_from_free};
+use super::{DeviceMemory, MemoryReport, budget_from_free, mib};
 
 /// When a climb counts as a leak. The defaults: skip 2 samples, a window of 8, at least
 /// 4 KiB a step (below that, a million steps leak under 4 GiB).
@@ -332,10 +332,6 @@ fn matching_category(report: &MemoryReport, bytes: u64) -> Option<(&'static str,
     .into_iter()
     .filter(|(_, size)| *size > 0 && bytes.abs_diff(*size) * 4 <= *size)
     .min_by_key(|(_, size)| bytes.abs_diff(*size))
-}
-
-fn mib(bytes: u64) -> f64 {
-    bytes as f64 / 1048576.0
 }
 
 #[cfg(test)]

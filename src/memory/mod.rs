@@ -280,6 +280,11 @@ pub fn trainable_values<B: Backend, M: burn::module::Module<B>>(module: &M) -> u
 
 pub use crate::grads::gradient_bytes;
 
+/// Bytes as MiB, for the reports' text.
+pub(crate) fn mib(bytes: u64) -> f64 {
+    bytes as f64 / 1048576.0
+}
+
 mod counting;
 mod finder;
 mod growth;

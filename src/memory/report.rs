@@ -5,7 +5,7 @@ use core::fmt;
 
 use serde::{Deserialize, Serialize};
 
-use super::MemorySource;
+use super::{MemorySource, mib};
 
 /// What the measured step already does: advice never repeats a switch that is on.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
@@ -216,10 +216,6 @@ impl MemoryReport {
     fn f32_weights(&self) -> bool {
         self.trainable_values > 0 && self.parameters >= 4 * self.trainable_values
     }
-}
-
-fn mib(b: u64) -> f64 {
-    b as f64 / 1048576.0
 }
 
 impl fmt::Display for MemoryReport {
