@@ -215,6 +215,10 @@ pub struct AutocastGuard {
 
 impl Drop for AutocastGuard {
     fn drop(&mut self) {
+        // PyTorch drops its cast cache when the outermost autocast scope ends.
+        if self.previous.is_none() {
+            crate::backend::cast_cache::clear();
+        }
         set_precision(self.previous);
     }
 }

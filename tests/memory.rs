@@ -262,3 +262,31 @@ fn a_validation_loop_without_valid_is_reported_on_wgpu() {
     .join()
     .unwrap();
 }
+
+/// The weight-cast cache on CubeCL's allocator: an `Lstm` forward at f16 keeps one half copy
+/// of its weights, not one per timestep (the exact count is in `tests/memory_counting.rs`).
+#[test]
+fn a_recurrent_layer_keeps_one_half_copy_of_its_weights_on_wgpu() {
+    let _s = serial();
+    use burn_amp::{Amp, Precision, autocast};
+    use common::memory::{RNN_CACHE_SAVES, lstm_forward_keeps};
+    type B = Amp<Autodiff<Wgpu>>;
+    if common::wgpu_device().is_none() {
+        return;
+    }
+    std::thread::spawn(|| {
+        let _f16 = autocast(Precision::F16);
+        let device = Default::default();
+        let in_use = || B::memory_snapshot(&device).unwrap().bytes_in_use;
+        let cached = lstm_forward_keeps::<B>(&device, true, in_use);
+        let per_use = lstm_forward_keeps::<B>(&device, false, in_use);
+        eprintln!("forward keeps: f16 cached {cached}, f16 cast per use {per_use}");
+        let (saved, expected) = (per_use - cached, RNN_CACHE_SAVES);
+        assert!(
+            saved.abs_diff(expected) < expected / 20,
+            "{saved} bytes saved by the cache, hand count {expected}"
+        );
+    })
+    .join()
+    .unwrap();
+}

@@ -21,7 +21,9 @@ use burn_amp::memory::{
 };
 use burn_amp::scaler::GradScalerConfig;
 use burn_amp::{Amp, AmpOptimizer, Frozen, Precision, autocast, freeze};
-use common::memory::{BATCH, DEPTH, SAVED, WIDTH, assert_measured, step_report};
+use common::memory::{
+    BATCH, DEPTH, RNN_CACHE_SAVES, SAVED, WIDTH, assert_measured, lstm_forward_keeps, step_report,
+};
 use common::models::DeepMlp;
 
 #[global_allocator]
@@ -279,4 +281,29 @@ fn a_training_loop_keeping_its_outputs_is_reported_by_the_optimizer_monitor() {
         growth.bytes_per_step
     );
     assert!(growth.to_string().contains("into_data"), "{growth}");
+}
+
+/// Burn's `Lstm` applies its gates' `Linear`s at every timestep. Cast per use, each use's f16
+/// copy of the weights is saved for backward: `RNN_SEQ` copies. The weight-cast cache keeps
+/// one, as PyTorch's does.
+#[test]
+fn a_recurrent_layer_keeps_one_half_copy_of_its_weights() {
+    let _s = serial();
+    type B = Amp<Autodiff<Flex>>;
+    let device = Default::default();
+    let in_use = || CountingAlloc::bytes_in_use().unwrap();
+    let f32 = {
+        let _f32 = autocast(Precision::F32);
+        lstm_forward_keeps::<B>(&device, true, in_use)
+    };
+    let _f16 = autocast(Precision::F16);
+    let cached = lstm_forward_keeps::<B>(&device, true, in_use);
+    let per_use = lstm_forward_keeps::<B>(&device, false, in_use);
+    eprintln!("forward keeps: f32 {f32}, f16 cached {cached}, f16 cast per use {per_use}");
+    let (saved, expected) = (per_use - cached, RNN_CACHE_SAVES);
+    assert!(
+        saved.abs_diff(expected) < expected / 20,
+        "{saved} bytes saved by the cache, hand count {expected}"
+    );
+    assert!(per_use > 2 * cached, "per use {per_use}, cached {cached}");
 }

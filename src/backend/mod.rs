@@ -8,6 +8,7 @@
 //! parameters get f32 gradients, and the activations autodiff saves are in f16/bf16.
 
 mod backward_passes;
+pub mod cast_cache;
 #[cfg(feature = "ddp")]
 mod distributed;
 mod host_reads;
@@ -102,6 +103,8 @@ impl<B: AutodiffBackend> AutodiffBackend for Amp<B> {
     type Gradients = B::Gradients;
 
     fn backward(tensor: FloatTensor<Self>) -> Self::Gradients {
+        // The graph keeps the copies it saved; the cache's are not needed past a forward.
+        cast_cache::clear();
         // × the loss scale when an `AmpOptimizer` is installed and the precision is f16.
         let grads = B::backward(crate::amp_optimizer::registry::scale_root::<B>(tensor));
         // Counted once done: autodiff has then freed the graphs no backward can reach.

@@ -320,7 +320,8 @@ pub(crate) fn cast<B: Backend>(
 ) -> B::FloatTensorPrimitive {
     match target {
         Some(target) if float_dtype(tensor.dtype()).is_some_and(|d| d != target) => {
-            B::float_cast(tensor, target)
+            super::cast_cache::cast::<B>(tensor, target)
+                .unwrap_or_else(|tensor| B::float_cast(tensor, target))
         }
         _ => tensor,
     }

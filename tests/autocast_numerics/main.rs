@@ -36,6 +36,7 @@ macro_rules! flex_and_wgpu_tests {
 }
 
 mod attention;
+mod cast_cache;
 mod deform_conv;
 mod pooling;
 mod probabilities;

@@ -70,3 +70,41 @@ pub fn assert_measured(report: &MemoryReport, source: MemorySource) {
     let peak = report.peak_in_use.expect("measured");
     assert!(peak >= activations + PARAM_BYTES, "{report:?}");
 }
+
+/// The recurrent layer of the weight-cast cache's memory tests: an `Lstm` applies its eight
+/// `Linear`s (four gates, input and hidden) at every one of `RNN_SEQ` timesteps.
+pub const RNN_HIDDEN: usize = 128;
+pub const RNN_SEQ: usize = 32;
+pub const RNN_BATCH: usize = 4;
+/// What one timestep saves of the weights, cast per use: a half copy of the four hidden
+/// transforms' weights (a linear saves its weight for its input's gradient; the input
+/// transforms' input is the data, which needs none, and the first step's hidden state is zeros).
+pub const RNN_SAVED_WEIGHTS_HALF: u64 = (4 * RNN_HIDDEN * RNN_HIDDEN * 2) as u64;
+/// The cache's own copies: all eight weights and biases in half.
+pub const RNN_CACHED_HALF: u64 = (8 * (RNN_HIDDEN * RNN_HIDDEN + RNN_HIDDEN) * 2) as u64;
+
+/// What the cache saves in one forward, by hand: cast per use, steps 2..=RNN_SEQ each save a
+/// copy; cached, only the cache's copies are held.
+pub const RNN_CACHE_SAVES: u64 = (RNN_SEQ as u64 - 1) * RNN_SAVED_WEIGHTS_HALF - RNN_CACHED_HALF;
+
+/// The bytes an `Lstm` forward keeps until its backward (after a first unmeasured step),
+/// with the weight-cast cache on or off, under the caller's autocast setting.
+pub fn lstm_forward_keeps<B: AutodiffBackend>(
+    device: &B::Device,
+    cache: bool,
+    in_use: impl Fn() -> u64,
+) -> u64 {
+    use burn::nn::LstmConfig;
+    use burn_amp::backend::cast_cache;
+    let lstm = LstmConfig::new(RNN_HIDDEN, RNN_HIDDEN, true).init::<B>(device);
+    let _ = parameter_bytes::<B, _>(&lstm); // materialise the lazy parameters first
+    let x = Tensor::<B, 3>::ones([RNN_BATCH, RNN_SEQ, RNN_HIDDEN], device);
+    let previous = cast_cache::set_enabled(cache);
+    let _ = lstm.forward(x.clone(), None).0.mean().backward();
+    let before = in_use();
+    let loss = lstm.forward(x, None).0.mean();
+    let kept = in_use() - before;
+    let _ = loss.backward();
+    cast_cache::set_enabled(previous);
+    kept
+}
