@@ -16,8 +16,9 @@
 //!
 //! What is cached (PyTorch's rule): f32 leaf tensors that require a gradient (the parameters
 //! being trained), cast to the low dtype. Everything else casts per use. An entry is dropped at
-//! the thread's next backward, when an [`AutocastGuard`](crate::AutocastGuard) of the thread is
-//! dropped, or once every handle of its parameter is gone (after an optimizer step).
+//! the thread's next backward, when the thread's outermost
+//! [`AutocastGuard`](crate::AutocastGuard) is dropped, or once its parameter's node is gone
+//! (checked each time the cache doubles, from 16 entries).
 //!
 //! Reaching the autodiff node of a generic `B`'s tensor needs its concrete type: Rust has no
 //! specialization, so the backends of this crate are listed ([`is_supported`]); on any other
@@ -26,7 +27,7 @@
 use core::any::{Any, TypeId};
 use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
-use std::sync::Arc;
+use std::sync::{Arc, Weak};
 
 use burn::backend::autodiff::checkpoint::base::Checkpointer;
 use burn::backend::autodiff::checkpoint::strategy::{
@@ -41,13 +42,16 @@ use burn_std::FloatDType;
 
 /// One parameter's low-precision copy.
 struct Entry {
-    /// Whether the parameter's autodiff node lives: its tensors hold it, and so do the graphs
-    /// built on it until a backward frees them. (Its handle count, `AutodiffTensor::rc`, is
-    /// also held by autodiff's graph until a backward, then not: no fixed count means dead.)
-    source: Box<dyn Fn() -> bool>,
+    /// The parameter's autodiff node: alive while its tensors hold it, and the graphs built on
+    /// it until a backward frees them. (Its handle count, `AutodiffTensor::rc`, is also held by
+    /// autodiff's graph until a backward, then not: no fixed count means dead.)
+    source: Weak<dyn Any>,
     /// The inner backend's primitive, in the cached dtype.
     copy: Box<dyn Any>,
 }
+
+/// The smallest cache that is scanned for copies of parameters gone.
+const PRUNE_FROM: usize = 16;
 
 thread_local! {
     static ENTRIES: RefCell<HashMap<(NodeId, FloatDType), Entry>> = RefCell::new(HashMap::new());
@@ -168,20 +172,24 @@ fn cast_parameter<X: Backend, C: CheckpointStrategy>(
         Some(copy) => copy,
         None => {
             let copy = X::float_cast(tensor.primitive.clone(), target);
+            let node = Arc::downgrade(&tensor.node);
             let entry = Entry {
-                source: {
-                    let node = Arc::downgrade(&tensor.node);
-                    Box::new(move || node.strong_count() > 0)
-                },
+                source: node,
                 copy: Box::new(copy.clone()),
             };
-            // Parameters replaced by a step since the last backward: drop their copies first.
             let dead = ENTRIES.with(|e| {
                 let mut entries = e.borrow_mut();
-                let dead: Vec<Entry> = entries
-                    .extract_if(|_, entry| !(entry.source)())
-                    .map(|(_, entry)| entry)
-                    .collect();
+                // Parameters replaced without a backward on this thread: their copies go
+                // when the map doubles (a scan per new cast would cost O(n²) a forward).
+                let len = entries.len();
+                let dead: Vec<Entry> = if len >= PRUNE_FROM && len.is_power_of_two() {
+                    entries
+                        .extract_if(|_, entry| entry.source.strong_count() == 0)
+                        .map(|(_, entry)| entry)
+                        .collect()
+                } else {
+                    Vec::new()
+                };
                 entries.insert(key, entry);
                 dead
             });

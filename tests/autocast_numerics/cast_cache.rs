@@ -168,7 +168,8 @@ fn the_cache_holds_trained_parameters_for_one_scope() {
 
     // Parameters gone while this thread has not run a backward (a validation loop on the
     // autodiff model beside training on another thread): once a backward elsewhere has freed
-    // the graphs that held them, their copies go at this thread's next new cast.
+    // the graphs that held them, their copies go at this thread's next new cast that finds
+    // the cache at a doubling (from 16 entries: here, the first).
     let (replaced, x2, _) = new_lstm::<B>(&device);
     drop(lstm);
     std::thread::spawn(move || {

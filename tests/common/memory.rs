@@ -87,6 +87,16 @@ pub const RNN_CACHED_HALF: u64 = (8 * (RNN_HIDDEN * RNN_HIDDEN + RNN_HIDDEN) * 2
 /// copy; cached, only the cache's copies are held.
 pub const RNN_CACHE_SAVES: u64 = (RNN_SEQ as u64 - 1) * RNN_SAVED_WEIGHTS_HALF - RNN_CACHED_HALF;
 
+/// The bytes the cache saved (`lstm_forward_keeps` cast per use less cached) are the hand
+/// count, within 5%.
+pub fn assert_cache_saves(per_use: u64, cached: u64) {
+    let (saved, expected) = (per_use - cached, RNN_CACHE_SAVES);
+    assert!(
+        saved.abs_diff(expected) < expected / 20,
+        "{saved} bytes saved by the cache, hand count {expected}"
+    );
+}
+
 /// The bytes an `Lstm` forward keeps until its backward (after a first unmeasured step),
 /// with the weight-cast cache on or off, under the caller's autocast setting.
 pub fn lstm_forward_keeps<B: AutodiffBackend>(
