@@ -20,25 +20,22 @@
 //! [`AutocastGuard`](crate::AutocastGuard) is dropped, or once its parameter's node is gone
 //! (checked each time the cache doubles, from 16 entries).
 //!
-//! Reaching the autodiff node of a generic `B`'s tensor needs its concrete type: Rust has no
-//! specialization, so the backends of this crate are listed ([`is_supported`]); on any other
-//! backend each use casts, as it always did.
+//! Reaching the autodiff node of a generic `B`'s tensor needs its concrete type: the backends
+//! of this crate are listed ([`is_supported`]); on any other backend each use casts, as it
+//! always did.
 
-use core::any::{Any, TypeId};
+use core::any::Any;
 use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
 use std::sync::{Arc, Weak};
 
-use burn::backend::autodiff::checkpoint::base::Checkpointer;
-use burn::backend::autodiff::checkpoint::strategy::{
-    BalancedCheckpointing, CheckpointStrategy, NoCheckpointing,
-};
-use burn::backend::autodiff::grads::Gradients;
-use burn::backend::autodiff::ops::{Backward, Ops, OpsKind, unary};
-use burn::backend::autodiff::{Autodiff, NodeId};
-use burn_backend::tensor::FloatTensor;
+use burn::backend::autodiff::NodeId;
+use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
+use burn::backend::autodiff::ops::{Backward, OpsKind};
 use burn_backend::{Backend, DType, TensorMetadata};
 use burn_std::FloatDType;
+
+use super::concrete::{AutodiffTensor, CastBackward, Visit, dispatch, moved};
 
 /// One parameter's low-precision copy.
 struct Entry {
@@ -61,12 +58,7 @@ thread_local! {
 /// Whether `B`'s parameter casts are cached: `B` is `Autodiff<X>` (either checkpointing
 /// strategy) over one of this crate's backends, Flex, Wgpu or (feature `cuda`) Cuda.
 pub fn is_supported<B: Backend>() -> bool {
-    struct Probe;
-    impl Visit for Probe {
-        type Out = ();
-        fn visit<X: Backend, C: CheckpointStrategy>(self) {}
-    }
-    dispatch::<B, _>(Probe).is_ok()
+    super::concrete::is_listed::<B>()
 }
 
 /// Turns this thread's cache on or off (on by default); returns the previous setting. Off
@@ -118,49 +110,11 @@ pub(crate) fn cast<B: Backend>(
     dispatch::<B, _>(Cast { tensor, target }).map_err(|c| c.tensor)
 }
 
-/// A computation over the concrete `Autodiff<X, C>` that a generic `B` turned out to be.
-trait Visit: Sized {
-    type Out;
-    fn visit<X: Backend, C: CheckpointStrategy>(self) -> Self::Out;
-}
-
-/// Runs `visit` with `B`'s inner backend and strategy when `B` is a listed autodiff backend;
-/// gives it back otherwise.
-fn dispatch<B: Backend, V: Visit>(visit: V) -> Result<V::Out, V> {
-    let backend = TypeId::of::<B>();
-    macro_rules! listed {
-        ($($inner:ty),* $(,)?) => {$(
-            if backend == TypeId::of::<Autodiff<$inner, NoCheckpointing>>() {
-                return Ok(visit.visit::<$inner, NoCheckpointing>());
-            }
-            if backend == TypeId::of::<Autodiff<$inner, BalancedCheckpointing>>() {
-                return Ok(visit.visit::<$inner, BalancedCheckpointing>());
-            }
-        )*};
-    }
-    listed!(burn::backend::Flex, burn::backend::Wgpu);
-    #[cfg(feature = "cuda")]
-    listed!(burn_cuda::Cuda);
-    Err(visit)
-}
-
-/// Moves a value between two names of one type (`dispatch` proved them equal).
-fn moved<T: 'static, U: 'static>(value: T) -> U {
-    let mut slot = Some(value);
-    (&mut slot as &mut dyn Any)
-        .downcast_mut::<Option<U>>()
-        .and_then(Option::take)
-        .expect("the backend's tensor type, as matched by its TypeId")
-}
-
-/// burn-autodiff's tensor (its type is not exported; its fields are).
-type AutodiffTensor<X, C> = FloatTensor<Autodiff<X, C>>;
-
 /// A fresh cast node over `tensor` whose output is the cached copy (made on a miss).
 fn cast_parameter<X: Backend, C: CheckpointStrategy>(
-    tensor: AutodiffTensor<X, C>,
+    tensor: AutodiffTensor<X>,
     target: FloatDType,
-) -> AutodiffTensor<X, C> {
+) -> AutodiffTensor<X> {
     let key = (tensor.node.id, target);
     let cached = ENTRIES.with(|e| {
         e.borrow()
@@ -204,20 +158,5 @@ fn cast_parameter<X: Backend, C: CheckpointStrategy>(
     {
         OpsKind::Tracked(prep) => prep.finish(FloatDType::F32, copy),
         OpsKind::UnTracked(prep) => prep.finish(copy),
-    }
-}
-
-/// Autodiff's own cast backward: the gradient goes back to the source dtype.
-#[derive(Debug)]
-struct CastBackward;
-
-impl<X: Backend> Backward<X, 1> for CastBackward {
-    type State = FloatDType;
-
-    fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _: &mut Checkpointer) {
-        let dtype = ops.state;
-        unary::<X, _>(ops.parents, ops.node, grads, |grad| {
-            X::float_cast(grad, dtype)
-        });
     }
 }

@@ -57,7 +57,7 @@ macro_rules! autocast_ops {
                     probe.shadow(&shadow);
                 }
             }
-            $(let $input = autocast_input!(cast $kind target $input);)*
+            $(let $input = autocast_input!(cast $kind target $name $input);)*
             #[allow(unused_variables)]
             if let Some(probe) = probe.as_mut() {
                 $(autocast_input!(probe_cast $kind probe $input);)*
@@ -87,21 +87,23 @@ macro_rules! autocast_input {
             $cx.see(x)
         }
     };
-    (cast s $target:ident $x:ident) => {
+    (cast s $target:ident $op:ident $x:ident) => {
         $x
     };
-    (cast t $target:ident $x:ident) => {
-        $crate::backend::policy::cast::<B>($x, $target)
+    (cast t $target:ident $op:ident $x:ident) => {
+        $crate::backend::policy::cast::<B>($x, $target, $crate::backend::policy::Op::$op)
     };
-    (cast opt $target:ident $x:ident) => {
-        $x.map(|x| $crate::backend::policy::cast::<B>(x, $target))
+    (cast opt $target:ident $op:ident $x:ident) => {
+        $x.map(|x| $crate::backend::policy::cast::<B>(x, $target, $crate::backend::policy::Op::$op))
     };
-    (cast vec $target:ident $x:ident) => {
+    (cast vec $target:ident $op:ident $x:ident) => {
         match $target {
             None => $x,
             Some(_) => $x
                 .into_iter()
-                .map(|x| $crate::backend::policy::cast::<B>(x, $target))
+                .map(|x| {
+                    $crate::backend::policy::cast::<B>(x, $target, $crate::backend::policy::Op::$op)
+                })
                 .collect(),
         }
     };

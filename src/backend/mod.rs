@@ -9,12 +9,14 @@
 
 mod backward_passes;
 pub mod cast_cache;
+mod concrete;
 #[cfg(feature = "ddp")]
 mod distributed;
 mod host_reads;
 mod macros;
 mod ops;
 pub mod policy;
+pub mod upcast;
 
 use core::marker::PhantomData;
 

@@ -312,15 +312,19 @@ fn resolve_low_cold<B: Backend>(
     low
 }
 
-/// Casts `tensor` to `target` unless it is there already or is not a float.
+/// Casts `tensor`, an input of `op`, to `target` unless it is there already or is not a
+/// float: a trained f32 parameter through the [weight-cast cache](super::cast_cache), a
+/// widening that `op` would keep for its backward through a [recomputed cast](super::upcast).
 #[inline(always)]
 pub(crate) fn cast<B: Backend>(
     tensor: B::FloatTensorPrimitive,
     target: Option<FloatDType>,
+    op: Op,
 ) -> B::FloatTensorPrimitive {
     match target {
         Some(target) if float_dtype(tensor.dtype()).is_some_and(|d| d != target) => {
             super::cast_cache::cast::<B>(tensor, target)
+                .or_else(|tensor| super::upcast::cast::<B>(tensor, target, op))
                 .unwrap_or_else(|tensor| B::float_cast(tensor, target))
         }
         _ => tensor,

@@ -20,7 +20,7 @@ const SEQ: usize = 6;
 /// An `Lstm`'s four gates, each an input and a hidden `Linear` with a bias.
 const PARAMETERS: usize = 16;
 
-fn new_lstm<B: Backend>(device: &B::Device) -> (Lstm<B>, Tensor<B, 3>, Tensor<B, 3>) {
+pub(super) fn new_lstm<B: Backend>(device: &B::Device) -> (Lstm<B>, Tensor<B, 3>, Tensor<B, 3>) {
     B::seed(device, 11);
     let lstm = LstmConfig::new(HIDDEN, HIDDEN, true).init::<B>(device);
     let x = || Tensor::<B, 3>::random([2, SEQ, HIDDEN], Distribution::Default, device);
@@ -28,7 +28,10 @@ fn new_lstm<B: Backend>(device: &B::Device) -> (Lstm<B>, Tensor<B, 3>, Tensor<B,
 }
 
 /// Every parameter's gradient, in a fixed order.
-fn gradients<B: AutodiffBackend>(lstm: &Lstm<B>, grads: &B::Gradients) -> Vec<TensorData> {
+pub(super) fn gradients<B: AutodiffBackend>(
+    lstm: &Lstm<B>,
+    grads: &B::Gradients,
+) -> Vec<TensorData> {
     [
         &lstm.input_gate,
         &lstm.forget_gate,
@@ -45,7 +48,7 @@ fn gradients<B: AutodiffBackend>(lstm: &Lstm<B>, grads: &B::Gradients) -> Vec<Te
     .collect()
 }
 
-fn loss<B: Backend>(lstm: &Lstm<B>, x: Tensor<B, 3>) -> Tensor<B, 1> {
+pub(super) fn loss<B: Backend>(lstm: &Lstm<B>, x: Tensor<B, 3>) -> Tensor<B, 1> {
     let (out, _) = lstm.forward(x, None);
     out.powi_scalar(2).mean()
 }

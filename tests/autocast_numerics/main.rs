@@ -41,6 +41,7 @@ mod deform_conv;
 mod pooling;
 mod probabilities;
 mod support;
+mod upcast;
 
 use burn::tensor::Tensor;
 use burn::tensor::backend::Backend;

@@ -94,11 +94,11 @@ impl<B: Backend> ModuleOps<Self> for Amp<B> {
         }
         let target = autocast.target();
         B::attention(
-            cast::<B>(query, target),
-            cast::<B>(key, target),
-            cast::<B>(value, target),
+            cast::<B>(query, target, Op::attention),
+            cast::<B>(key, target, Op::attention),
+            cast::<B>(value, target, Op::attention),
             mask,
-            attn_bias.map(|b| cast::<B>(b, target)),
+            attn_bias.map(|b| cast::<B>(b, target, Op::attention)),
             options,
         )
     }
@@ -121,12 +121,12 @@ impl<B: Backend> ModuleOps<Self> for Amp<B> {
         autocast_input!(see t autocast output_grad);
         let target = autocast.target();
         let grads = B::deform_conv2d_backward(
-            cast::<B>(x, target),
-            cast::<B>(offset, target),
-            cast::<B>(weight, target),
-            mask.map(|m| cast::<B>(m, target)),
-            bias.map(|b| cast::<B>(b, target)),
-            cast::<B>(output_grad, target),
+            cast::<B>(x, target, Op::deform_conv2d_backward),
+            cast::<B>(offset, target, Op::deform_conv2d_backward),
+            cast::<B>(weight, target, Op::deform_conv2d_backward),
+            mask.map(|m| cast::<B>(m, target, Op::deform_conv2d_backward)),
+            bias.map(|b| cast::<B>(b, target, Op::deform_conv2d_backward)),
+            cast::<B>(output_grad, target, Op::deform_conv2d_backward),
             options,
         );
         DeformConv2dBackward::new(
@@ -223,5 +223,5 @@ fn promote_pair<B: Backend>(
     autocast.see(&a);
     autocast.see(&b);
     let target = autocast.target();
-    (cast::<B>(a, target), cast::<B>(b, target))
+    (cast::<B>(a, target, op), cast::<B>(b, target, op))
 }
