@@ -286,3 +286,50 @@ fn a_recurrent_layer_keeps_one_half_copy_of_its_weights_on_wgpu() {
     .join()
     .unwrap();
 }
+
+/// Recomputed widening casts on CubeCL's allocator: SiLU (`x * sigmoid(x)`, sigmoid in f32)
+/// over an f16 activation keeps x in f16 and sigmoid(x) in f32, 6 bytes per element, where
+/// the kept f32 copies of x made it 12 (the exact count on Flex is in
+/// `tests/autocast_numerics/upcast.rs`).
+#[test]
+fn silu_keeps_its_half_input_not_f32_copies_on_wgpu() {
+    let _s = serial();
+    use burn::tensor::DType;
+    use burn::tensor::activation::silu;
+    use burn_amp::backend::upcast;
+    use burn_amp::{Amp, Precision, autocast};
+    type B = Amp<Autodiff<Wgpu>>;
+    if common::wgpu_device().is_none() {
+        return;
+    }
+    const N: usize = 1 << 18;
+    std::thread::spawn(|| {
+        let _f16 = autocast(Precision::F16);
+        let device = Default::default();
+        let in_use = || B::memory_snapshot(&device).unwrap().bytes_in_use;
+        let x = Tensor::<B, 1>::random([N], burn::tensor::Distribution::Default, &device)
+            .require_grad();
+        let kept_per_element = |recompute: bool| {
+            let previous = upcast::set_enabled(recompute);
+            let _ = silu(x.clone().cast(DType::F16)).sum().backward(); // kernels, pools
+            let before = in_use();
+            let y = silu(x.clone().cast(DType::F16));
+            let kept = in_use() - before - (N * y.dtype().size()) as u64;
+            let _ = y.sum().backward();
+            upcast::set_enabled(previous);
+            kept as f64 / N as f64
+        };
+        let (on, off) = (kept_per_element(true), kept_per_element(false));
+        eprintln!("silu keeps {on:.2} bytes/element in f16, {off:.2} with widened copies kept");
+        assert!(
+            (on - 6.0).abs() < 0.3,
+            "recomputed: {on:.2} bytes/element, by hand 6"
+        );
+        assert!(
+            (off - 12.0).abs() < 0.6,
+            "kept: {off:.2} bytes/element, by hand 12"
+        );
+    })
+    .join()
+    .unwrap();
+}

@@ -1,0 +1,251 @@
+//! What a forward keeps for its backward under autocast, against f32, on two models whose
+//! half-precision runs kept more than f32's before burn-amp's node-level tools:
+//!
+//! - burn-nn's `Lstm` applies its gates' `Linear`s at every timestep: each use cast the
+//!   weights again and autodiff saved every copy (fixed by the weight-cast cache);
+//! - a Llama MLP block (`RmsNorm`, burn-nn's `SwiGlu`, a down `Linear`, a residual): SiLU is
+//!   `x * sigmoid(x)` with `sigmoid` in f32, and autodiff saved the f32 copies of the half
+//!   activations those ops widened (fixed by recomputing widening casts, `backend::upcast`).
+//!
+//! Side by side in one run, per backend: f32; half precision as before both (a cast per use,
+//! widened copies kept); with the weight-cast cache; with both (the default). The bytes one
+//! forward keeps, and the median time of a forward and backward; then one JSON line.
+//!
+//! Flex: exact bytes (the counting allocator), bf16 (its default). Wgpu (lavapipe): CubeCL's
+//! allocator, f16.
+
+#[path = "common/report.rs"]
+mod report;
+
+use std::time::{Duration, Instant};
+
+use burn::backend::{Autodiff, Flex, Wgpu};
+use burn::nn::{
+    Linear, LinearConfig, Lstm, LstmConfig, RmsNorm, RmsNormConfig, SwiGlu, SwiGluConfig,
+};
+use burn::prelude::*;
+use burn::tensor::Distribution;
+use burn::tensor::backend::AutodiffBackend;
+use burn_amp::backend::{cast_cache, upcast};
+use burn_amp::memory::{CountingAlloc, DeviceMemory, parameter_bytes};
+use burn_amp::{Amp, Precision, autocast};
+
+#[global_allocator]
+static ALLOC: CountingAlloc = CountingAlloc::new();
+
+#[derive(Clone, Copy)]
+enum Model {
+    /// hidden, timesteps, batch
+    Lstm(usize, usize, usize),
+    /// d_model, d_ff, layers, tokens
+    LlamaMlp(usize, usize, usize, usize),
+}
+
+impl Model {
+    fn describe(self) -> String {
+        match self {
+            Model::Lstm(hidden, seq, batch) => {
+                format!("Lstm hidden {hidden}, seq {seq}, batch {batch}")
+            }
+            Model::LlamaMlp(d, ff, layers, tokens) => {
+                format!("Llama MLP d_model {d}, d_ff {ff}, {layers} layers, {tokens} tokens")
+            }
+        }
+    }
+
+    fn key(self) -> &'static str {
+        match self {
+            Model::Lstm(..) => "lstm",
+            Model::LlamaMlp(..) => "llama_mlp",
+        }
+    }
+}
+
+/// Pre-norm MLP blocks of a Llama: `x + down(silu(gate(norm(x))) * up(norm(x)))`.
+#[derive(Module, Debug)]
+struct LlamaMlp<B: Backend> {
+    norms: Vec<RmsNorm<B>>,
+    swiglus: Vec<SwiGlu<B>>,
+    downs: Vec<Linear<B>>,
+}
+
+impl<B: Backend> LlamaMlp<B> {
+    fn new(d: usize, ff: usize, layers: usize, device: &B::Device) -> Self {
+        Self {
+            norms: (0..layers)
+                .map(|_| RmsNormConfig::new(d).init(device))
+                .collect(),
+            swiglus: (0..layers)
+                .map(|_| SwiGluConfig::new(d, ff).init(device))
+                .collect(),
+            downs: (0..layers)
+                .map(|_| LinearConfig::new(ff, d).init(device))
+                .collect(),
+        }
+    }
+
+    fn forward(&self, mut x: Tensor<B, 2>) -> Tensor<B, 2> {
+        for ((norm, swiglu), down) in self.norms.iter().zip(&self.swiglus).zip(&self.downs) {
+            x = x.clone() + down.forward(swiglu.forward(norm.forward(x)));
+        }
+        x
+    }
+}
+
+/// What is on, in half precision.
+#[derive(Clone, Copy)]
+struct Tools {
+    cache: bool,
+    recompute: bool,
+}
+
+/// One configuration's figures: bytes kept by a forward, median time of a forward and backward.
+#[derive(Clone, Copy)]
+struct Figures {
+    kept: u64,
+    step: Duration,
+}
+
+fn measure<B: AutodiffBackend>(
+    model: Model,
+    iters: usize,
+    precision: Precision,
+    tools: Tools,
+    in_use: impl Fn(&B::Device) -> u64,
+) -> Figures {
+    let device = Default::default();
+    let _autocast = autocast(precision);
+    let cache = cast_cache::set_enabled(tools.cache);
+    let recompute = upcast::set_enabled(tools.recompute);
+    B::seed(&device, 1);
+    let loss: Box<dyn Fn() -> Tensor<B, 1>> = match model {
+        Model::Lstm(hidden, seq, batch) => {
+            let lstm: Lstm<B> = LstmConfig::new(hidden, hidden, true).init(&device);
+            let _ = parameter_bytes::<B, _>(&lstm); // materialise the lazy parameters
+            let x = Tensor::<B, 3>::random([batch, seq, hidden], Distribution::Default, &device);
+            Box::new(move || lstm.forward(x.clone(), None).0.mean())
+        }
+        Model::LlamaMlp(d, ff, layers, tokens) => {
+            let mlp = LlamaMlp::<B>::new(d, ff, layers, &device);
+            let _ = parameter_bytes::<B, _>(&mlp);
+            let x = Tensor::<B, 2>::random([tokens, d], Distribution::Default, &device);
+            Box::new(move || mlp.forward(x.clone()).mean())
+        }
+    };
+    let step = || {
+        let _ = loss().backward();
+        B::sync(&device).unwrap();
+    };
+    step(); // kernels, first allocations
+    let before = in_use(&device);
+    let kept_loss = loss();
+    let kept = in_use(&device).saturating_sub(before);
+    let _ = kept_loss.backward();
+    let mut times: Vec<Duration> = (0..iters)
+        .map(|_| {
+            let start = Instant::now();
+            step();
+            start.elapsed()
+        })
+        .collect();
+    times.sort();
+    cast_cache::set_enabled(cache);
+    upcast::set_enabled(recompute);
+    Figures {
+        kept,
+        step: times[times.len() / 2],
+    }
+}
+
+/// f32; half before the tools; half with the cache; half with both (the default). On a thread
+/// of its own each (CubeCL counts memory per thread's stream; autocast is per thread).
+fn backend<B: AutodiffBackend>(
+    model: Model,
+    iters: usize,
+    half: Precision,
+    in_use: fn(&B::Device) -> u64,
+) -> [Figures; 4] {
+    let run = move |precision, cache, recompute| {
+        let tools = Tools { cache, recompute };
+        std::thread::spawn(move || measure::<B>(model, iters, precision, tools, in_use))
+            .join()
+            .unwrap()
+    };
+    [
+        run(Precision::F32, true, true),
+        run(half, false, false),
+        run(half, true, false),
+        run(half, true, true),
+    ]
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args().collect();
+    let quick = args.iter().any(|a| a == "--quick") || !args.iter().any(|a| a == "--bench");
+    if std::env::var_os("XDG_RUNTIME_DIR").is_none() {
+        // SAFETY: single-threaded here, before any device exists.
+        unsafe { std::env::set_var("XDG_RUNTIME_DIR", std::env::temp_dir()) };
+    }
+    let (models, iters) = if quick {
+        ([Model::Lstm(32, 8, 2), Model::LlamaMlp(32, 88, 2, 16)], 1)
+    } else {
+        (
+            [Model::Lstm(256, 64, 16), Model::LlamaMlp(256, 704, 4, 1024)],
+            5,
+        )
+    };
+    let mib = |b: u64| b as f64 / (1024.0 * 1024.0);
+    let ms = |d: Duration| d.as_secs_f64() * 1e3;
+    println!(
+        "Bytes one forward keeps for its backward; median of {iters} forward+backward. Half: before = cast per use and widened copies kept; + cache = the weight-cast cache; + recompute = widening casts recomputed (the default)."
+    );
+    println!(
+        "| model | backend | f32 | half, before | + cache | + recompute | default / f32 | default / before | step f32 | step before | step default | default / before time |"
+    );
+    println!("|---|---|---|---|---|---|---|---|---|---|---|---|");
+    let mut json = Vec::new();
+    for model in models {
+        let flex = backend::<Amp<Autodiff<Flex>>>(model, iters, Precision::Bf16, |_| {
+            CountingAlloc::bytes_in_use().unwrap()
+        });
+        let wgpu = backend::<Amp<Autodiff<Wgpu>>>(model, iters, Precision::F16, |device| {
+            Amp::<Autodiff<Wgpu>>::memory_snapshot(device)
+                .unwrap()
+                .bytes_in_use
+        });
+        for (name, [f32, before, cached, both]) in [("Flex (bf16)", flex), ("Wgpu (f16)", wgpu)] {
+            let over_f32 = both.kept as f64 / f32.kept as f64;
+            let over_before = both.kept as f64 / before.kept as f64;
+            let time = both.step.as_secs_f64() / before.step.as_secs_f64();
+            println!(
+                "| {} | {name} | {:.2} MiB | {:.2} MiB | {:.2} MiB | {:.2} MiB | {over_f32:.3} | {over_before:.3} | {:.1} ms | {:.1} ms | {:.1} ms | {time:.3} |",
+                model.describe(),
+                mib(f32.kept),
+                mib(before.kept),
+                mib(cached.kept),
+                mib(both.kept),
+                ms(f32.step),
+                ms(before.step),
+                ms(both.step),
+            );
+            let key = format!(
+                "{}_{}",
+                model.key(),
+                name.split(' ').next().unwrap().to_lowercase()
+            );
+            json.push(format!(
+                "\"{key}_kept_f32\":{},\"{key}_kept_before\":{},\"{key}_kept_cached\":{},\"{key}_kept_default\":{},\"{key}_kept_default_over_f32\":{over_f32:.4},\"{key}_kept_default_over_before\":{over_before:.4},\"{key}_step_default_over_before\":{time:.4}",
+                f32.kept, before.kept, cached.kept, both.kept
+            ));
+        }
+    }
+    let sizes: Vec<String> = models
+        .iter()
+        .map(|m| format!("\"{}\"", m.describe()))
+        .collect();
+    report::emit(&format!(
+        "{{\"bench\":\"saved_activations\",\"models\":[{}],\"iterations\":{iters},{}}}",
+        sizes.join(","),
+        json.join(",")
+    ));
+}
