@@ -36,7 +36,7 @@ use burn::backend::autodiff::ops::{Backward, OpsKind};
 use burn_backend::{Backend, DType, TensorMetadata};
 use burn_std::FloatDType;
 
-use super::concrete::{AutodiffTensor, CastBackward, Visit, dispatch, moved};
+use super::concrete::{AutodiffTensor, CastBackward, NodeBuilder, build_node};
 
 /// One parameter's low-precision copy.
 struct Entry {
@@ -97,18 +97,19 @@ pub(crate) fn cast<B: Backend>(
     {
         return Err(tensor);
     }
-    struct Cast<P> {
-        tensor: P,
-        target: FloatDType,
+    build_node::<B, _>(tensor, CachedCast(target))
+}
+
+/// A cast of a trained parameter through the cache.
+struct CachedCast(FloatDType);
+
+impl NodeBuilder for CachedCast {
+    fn build<X: Backend, C: CheckpointStrategy>(
+        self,
+        tensor: AutodiffTensor<X>,
+    ) -> AutodiffTensor<X> {
+        cast_parameter::<X, C>(tensor, self.0)
     }
-    impl<P: 'static> Visit for Cast<P> {
-        type Out = P;
-        fn visit<X: Backend, C: CheckpointStrategy>(self) -> P {
-            // `dispatch` matched `B` to `Autodiff<X, C>`: `P` is `AutodiffTensor<X>`.
-            moved(cast_parameter::<X, C>(moved(self.tensor), self.target))
-        }
-    }
-    dispatch::<B, _>(Cast { tensor, target }).map_err(|c| c.tensor)
 }
 
 /// A fresh cast node over `tensor` whose output is the cached copy (made on a miss).

@@ -20,15 +20,43 @@ use burn_std::FloatDType;
 /// burn-autodiff's tensor (its type is not exported; its fields are).
 pub(crate) type AutodiffTensor<X> = FloatTensor<Autodiff<X>>;
 
+/// A node built over one tensor of the concrete `Autodiff<X, C>` that a generic `B` is.
+pub(crate) trait NodeBuilder: 'static {
+    fn build<X: Backend, C: CheckpointStrategy>(
+        self,
+        tensor: AutodiffTensor<X>,
+    ) -> AutodiffTensor<X>;
+}
+
+/// Runs `builder` on `tensor` when `B` is a listed autodiff backend; gives the tensor back
+/// otherwise.
+pub(crate) fn build_node<B: Backend, N: NodeBuilder>(
+    tensor: B::FloatTensorPrimitive,
+    builder: N,
+) -> Result<B::FloatTensorPrimitive, B::FloatTensorPrimitive> {
+    struct Build<P, N> {
+        tensor: P,
+        builder: N,
+    }
+    impl<P: 'static, N: NodeBuilder> Visit for Build<P, N> {
+        type Out = P;
+        fn visit<X: Backend, C: CheckpointStrategy>(self) -> P {
+            // `dispatch` matched `B` to `Autodiff<X, C>`: `P` is `AutodiffTensor<X>`.
+            moved(self.builder.build::<X, C>(moved(self.tensor)))
+        }
+    }
+    dispatch::<B, _>(Build { tensor, builder }).map_err(|b| b.tensor)
+}
+
 /// A computation over the concrete `Autodiff<X, C>` that a generic `B` turned out to be.
-pub(crate) trait Visit: Sized {
+trait Visit: Sized {
     type Out;
     fn visit<X: Backend, C: CheckpointStrategy>(self) -> Self::Out;
 }
 
 /// Runs `visit` with `B`'s inner backend and strategy when `B` is a listed autodiff backend;
 /// gives it back otherwise.
-pub(crate) fn dispatch<B: Backend, V: Visit>(visit: V) -> Result<V::Out, V> {
+fn dispatch<B: Backend, V: Visit>(visit: V) -> Result<V::Out, V> {
     let backend = TypeId::of::<B>();
     macro_rules! listed {
         ($($inner:ty),* $(,)?) => {$(
@@ -58,7 +86,7 @@ pub(crate) fn is_listed<B: Backend>() -> bool {
 }
 
 /// Moves a value between two names of one type (`dispatch` proved them equal).
-pub(crate) fn moved<T: 'static, U: 'static>(value: T) -> U {
+fn moved<T: 'static, U: 'static>(value: T) -> U {
     let mut slot = Some(value);
     (&mut slot as &mut dyn Any)
         .downcast_mut::<Option<U>>()

@@ -35,7 +35,7 @@ use burn_backend::ops::FloatTensorOps;
 use burn_backend::{Backend, DType, TensorMetadata};
 use burn_std::FloatDType;
 
-use super::concrete::{AutodiffTensor, CastBackward, Visit, dispatch, moved};
+use super::concrete::{AutodiffTensor, CastBackward, NodeBuilder, build_node};
 use super::policy::Op;
 
 thread_local! {
@@ -108,18 +108,19 @@ pub(crate) fn cast<B: Backend>(
     if !keeps_widened_input(op) || !widens(tensor.dtype(), target) || !ENABLED.with(|e| e.get()) {
         return Err(tensor);
     }
-    struct Widen<P> {
-        tensor: P,
-        target: FloatDType,
+    build_node::<B, _>(tensor, Upcast(target))
+}
+
+/// A widening to the given dtype, recomputed in the backward.
+struct Upcast(FloatDType);
+
+impl NodeBuilder for Upcast {
+    fn build<X: Backend, C: CheckpointStrategy>(
+        self,
+        tensor: AutodiffTensor<X>,
+    ) -> AutodiffTensor<X> {
+        upcast::<X>(tensor, self.0)
     }
-    impl<P: 'static> Visit for Widen<P> {
-        type Out = P;
-        fn visit<X: Backend, C: CheckpointStrategy>(self) -> P {
-            // `dispatch` matched `B` to `Autodiff<X, C>`: `P` is `AutodiffTensor<X>`.
-            moved(upcast::<X>(moved(self.tensor), self.target))
-        }
-    }
-    dispatch::<B, _>(Widen { tensor, target }).map_err(|w| w.tensor)
 }
 
 /// Whether a cast from `from` to `to` is exact and larger (recomputing it loses nothing, and
