@@ -1,15 +1,20 @@
-//! What a forward keeps for its backward under autocast, against f32, on two models whose
-//! half-precision runs kept more than f32's before burn-amp's node-level tools:
+//! What a forward keeps for its backward under autocast, against f32, on three models where
+//! half precision kept more than it needs before burn-amp's node-level tools:
 //!
 //! - burn-nn's `Lstm` applies its gates' `Linear`s at every timestep: each use cast the
-//!   weights again and autodiff saved every copy (fixed by the weight-cast cache);
+//!   weights again and autodiff saved every copy (the cast cache, parameters); each timestep's
+//!   input and hidden state were cast once per gate (the cast cache, activations);
 //! - a Llama MLP block (`RmsNorm`, burn-nn's `SwiGlu`, a down `Linear`, a residual): SiLU is
 //!   `x * sigmoid(x)` with `sigmoid` in f32, and autodiff saved the f32 copies of the half
-//!   activations those ops widened (fixed by recomputing widening casts, `backend::upcast`).
+//!   activations those ops widened (recomputed widening casts, `backend::upcast`); the normed
+//!   input was cast once per linear of `SwiGlu`;
+//! - burn-nn's pre-norm `TransformerEncoder`: the normed input was cast once per projection
+//!   (query, key, value).
 //!
-//! Side by side in one run, per backend: f32; half precision as before both (a cast per use,
-//! widened copies kept); with the weight-cast cache; with both (the default). The bytes one
-//! forward keeps, and the median time of a forward and backward; then one JSON line.
+//! Side by side in one run, per backend: f32; half precision as before the tools (a cast per
+//! use, widened copies kept); with the parameter cache; with recomputed widening too; with
+//! shared activation casts too (the default). The bytes one forward keeps, and the median time
+//! of a forward and backward; then one JSON line.
 //!
 //! Flex: exact bytes (the counting allocator), bf16 (its default). Wgpu (lavapipe): CubeCL's
 //! allocator, f16.
@@ -20,6 +25,7 @@ mod report;
 use std::time::{Duration, Instant};
 
 use burn::backend::{Autodiff, Flex, Wgpu};
+use burn::nn::transformer::{TransformerEncoderConfig, TransformerEncoderInput};
 use burn::nn::{
     Linear, LinearConfig, Lstm, LstmConfig, RmsNorm, RmsNormConfig, SwiGlu, SwiGluConfig,
 };
@@ -39,6 +45,8 @@ enum Model {
     Lstm(usize, usize, usize),
     /// d_model, d_ff, layers, tokens
     LlamaMlp(usize, usize, usize, usize),
+    /// d_model, heads, layers, batch, seq (d_ff 4 d_model, pre-norm, GELU, no dropout)
+    Transformer(usize, usize, usize, usize, usize),
 }
 
 impl Model {
@@ -50,6 +58,10 @@ impl Model {
             Model::LlamaMlp(d, ff, layers, tokens) => {
                 format!("Llama MLP d_model {d}, d_ff {ff}, {layers} layers, {tokens} tokens")
             }
+            Model::Transformer(d, heads, layers, batch, seq) => format!(
+                "pre-norm Transformer d_model {d}, {heads} heads, d_ff {}, {layers} layers, batch {batch}, seq {seq}",
+                4 * d
+            ),
         }
     }
 
@@ -57,6 +69,7 @@ impl Model {
         match self {
             Model::Lstm(..) => "lstm",
             Model::LlamaMlp(..) => "llama_mlp",
+            Model::Transformer(..) => "transformer",
         }
     }
 }
@@ -97,6 +110,7 @@ impl<B: Backend> LlamaMlp<B> {
 struct Tools {
     cache: bool,
     recompute: bool,
+    activations: bool,
 }
 
 /// One configuration's figures: bytes kept by a forward, median time of a forward and backward.
@@ -117,6 +131,7 @@ fn measure<B: AutodiffBackend>(
     let _autocast = autocast(precision);
     let cache = cast_cache::set_enabled(tools.cache);
     let recompute = upcast::set_enabled(tools.recompute);
+    let activations = cast_cache::set_activations_enabled(tools.activations);
     B::seed(&device, 1);
     let loss: Box<dyn Fn() -> Tensor<B, 1>> = match model {
         Model::Lstm(hidden, seq, batch) => {
@@ -130,6 +145,19 @@ fn measure<B: AutodiffBackend>(
             let _ = parameter_bytes::<B, _>(&mlp);
             let x = Tensor::<B, 2>::random([tokens, d], Distribution::Default, &device);
             Box::new(move || mlp.forward(x.clone()).mean())
+        }
+        Model::Transformer(d, heads, layers, batch, seq) => {
+            let encoder = TransformerEncoderConfig::new(d, 4 * d, heads, layers)
+                .with_norm_first(true)
+                .with_dropout(0.0)
+                .init::<B>(&device);
+            let _ = parameter_bytes::<B, _>(&encoder);
+            let x = Tensor::<B, 3>::random([batch, seq, d], Distribution::Default, &device);
+            Box::new(move || {
+                encoder
+                    .forward(TransformerEncoderInput::new(x.clone()))
+                    .mean()
+            })
         }
     };
     let step = || {
@@ -151,31 +179,37 @@ fn measure<B: AutodiffBackend>(
     times.sort();
     cast_cache::set_enabled(cache);
     upcast::set_enabled(recompute);
+    cast_cache::set_activations_enabled(activations);
     Figures {
         kept,
         step: times[times.len() / 2],
     }
 }
 
-/// f32; half before the tools; half with the cache; half with both (the default). On a thread
-/// of its own each (CubeCL counts memory per thread's stream; autocast is per thread).
+/// f32; half before the tools; half with each tool added in turn (all: the default). On a
+/// thread of its own each (CubeCL counts memory per thread's stream; autocast is per thread).
 fn backend<B: AutodiffBackend>(
     model: Model,
     iters: usize,
     half: Precision,
     in_use: fn(&B::Device) -> u64,
-) -> [Figures; 4] {
-    let run = move |precision, cache, recompute| {
-        let tools = Tools { cache, recompute };
+) -> [Figures; 5] {
+    let run = move |precision, cache, recompute, activations| {
+        let tools = Tools {
+            cache,
+            recompute,
+            activations,
+        };
         std::thread::spawn(move || measure::<B>(model, iters, precision, tools, in_use))
             .join()
             .unwrap()
     };
     [
-        run(Precision::F32, true, true),
-        run(half, false, false),
-        run(half, true, false),
-        run(half, true, true),
+        run(Precision::F32, true, true, true),
+        run(half, false, false, false),
+        run(half, true, false, false),
+        run(half, true, true, false),
+        run(half, true, true, true),
     ]
 }
 
@@ -187,22 +221,33 @@ fn main() {
         unsafe { std::env::set_var("XDG_RUNTIME_DIR", std::env::temp_dir()) };
     }
     let (models, iters) = if quick {
-        ([Model::Lstm(32, 8, 2), Model::LlamaMlp(32, 88, 2, 16)], 1)
+        (
+            [
+                Model::Lstm(32, 8, 2),
+                Model::LlamaMlp(32, 88, 2, 16),
+                Model::Transformer(32, 2, 1, 2, 8),
+            ],
+            1,
+        )
     } else {
         (
-            [Model::Lstm(256, 64, 16), Model::LlamaMlp(256, 704, 4, 1024)],
+            [
+                Model::Lstm(256, 64, 16),
+                Model::LlamaMlp(256, 704, 4, 1024),
+                Model::Transformer(256, 4, 2, 8, 128),
+            ],
             5,
         )
     };
     let mib = |b: u64| b as f64 / (1024.0 * 1024.0);
     let ms = |d: Duration| d.as_secs_f64() * 1e3;
     println!(
-        "Bytes one forward keeps for its backward; median of {iters} forward+backward. Half: before = cast per use and widened copies kept; + cache = the weight-cast cache; + recompute = widening casts recomputed (the default)."
+        "Bytes one forward keeps for its backward; median of {iters} forward+backward. Half: before = cast per use and widened copies kept; + cache = parameter casts cached; + recompute = widening casts recomputed; + shared = activation casts shared (the default)."
     );
     println!(
-        "| model | backend | f32 | half, before | + cache | + recompute | default / f32 | default / before | step f32 | step before | step default | default / before time |"
+        "| model | backend | f32 | half, before | + cache | + recompute | + shared | default / f32 | default / before | step f32 | step before | step default | default / before time |"
     );
-    println!("|---|---|---|---|---|---|---|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|---|---|---|---|---|---|---|");
     let mut json = Vec::new();
     for model in models {
         let flex = backend::<Amp<Autodiff<Flex>>>(model, iters, Precision::Bf16, |_| {
@@ -213,20 +258,23 @@ fn main() {
                 .unwrap()
                 .bytes_in_use
         });
-        for (name, [f32, before, cached, both]) in [("Flex (bf16)", flex), ("Wgpu (f16)", wgpu)] {
-            let over_f32 = both.kept as f64 / f32.kept as f64;
-            let over_before = both.kept as f64 / before.kept as f64;
-            let time = both.step.as_secs_f64() / before.step.as_secs_f64();
+        for (name, [f32, before, cached, recomputed, all]) in
+            [("Flex (bf16)", flex), ("Wgpu (f16)", wgpu)]
+        {
+            let over_f32 = all.kept as f64 / f32.kept as f64;
+            let over_before = all.kept as f64 / before.kept as f64;
+            let time = all.step.as_secs_f64() / before.step.as_secs_f64();
             println!(
-                "| {} | {name} | {:.2} MiB | {:.2} MiB | {:.2} MiB | {:.2} MiB | {over_f32:.3} | {over_before:.3} | {:.1} ms | {:.1} ms | {:.1} ms | {time:.3} |",
+                "| {} | {name} | {:.2} MiB | {:.2} MiB | {:.2} MiB | {:.2} MiB | {:.2} MiB | {over_f32:.3} | {over_before:.3} | {:.1} ms | {:.1} ms | {:.1} ms | {time:.3} |",
                 model.describe(),
                 mib(f32.kept),
                 mib(before.kept),
                 mib(cached.kept),
-                mib(both.kept),
+                mib(recomputed.kept),
+                mib(all.kept),
                 ms(f32.step),
                 ms(before.step),
-                ms(both.step),
+                ms(all.step),
             );
             let key = format!(
                 "{}_{}",
@@ -234,8 +282,8 @@ fn main() {
                 name.split(' ').next().unwrap().to_lowercase()
             );
             json.push(format!(
-                "\"{key}_kept_f32\":{},\"{key}_kept_before\":{},\"{key}_kept_cached\":{},\"{key}_kept_default\":{},\"{key}_kept_default_over_f32\":{over_f32:.4},\"{key}_kept_default_over_before\":{over_before:.4},\"{key}_step_default_over_before\":{time:.4}",
-                f32.kept, before.kept, cached.kept, both.kept
+                "\"{key}_kept_f32\":{},\"{key}_kept_before\":{},\"{key}_kept_cached\":{},\"{key}_kept_recomputed\":{},\"{key}_kept_default\":{},\"{key}_kept_default_over_f32\":{over_f32:.4},\"{key}_kept_default_over_before\":{over_before:.4},\"{key}_step_default_over_before\":{time:.4}",
+                f32.kept, before.kept, cached.kept, recomputed.kept, all.kept
             ));
         }
     }

@@ -1,25 +1,35 @@
-//! The weight-cast cache: one low-precision copy of each trained parameter between two
-//! backward passes, shared by all its uses.
+//! The cast cache: one low-precision copy of a tensor between two backward passes, shared by
+//! all the ops that lower it.
 //!
-//! Without it every use of an f32 parameter in a lowered op casts it again, and autodiff saves
-//! each copy for that op's backward. A layer applied at every step of a sequence (Burn's `Lstm`
-//! and `Gru` call their gates' `Linear` once per timestep) then keeps one half-precision copy
-//! of its weights per timestep: an `Lstm` of 256 over 64 steps, batch 16, kept 3.6× what f32
-//! keeps (which saves a reference to the same f32 weight each time), 1.26× with the cache, 1.10×
-//! with the [recomputed widening casts](super::upcast) too (`cargo bench --bench
-//! saved_activations`). PyTorch caches these casts for the life of the autocast
-//! scope; burn-amp caches them until the next backward.
+//! **Parameters.** Without the cache every use of an f32 parameter in a lowered op casts it
+//! again, and autodiff saves each copy for that op's backward. A layer applied at every step
+//! of a sequence (Burn's `Lstm` and `Gru` call their gates' `Linear` once per timestep) then
+//! keeps one half-precision copy of its weights per timestep: an `Lstm` of 256 over 64 steps,
+//! batch 16, kept 3.6× what f32 keeps (which saves a reference to the same f32 weight each
+//! time), 1.26× with the cache. PyTorch caches these casts for the life of the autocast scope;
+//! burn-amp caches them until the next backward.
+//!
+//! **Activations.** An f32 activation lowered by several ops was cast, and the copy kept, once
+//! per op, as in PyTorch (whose cache holds leaves only): the normed input of attention's
+//! query, key and value projections three times, of `SwiGlu`'s two linears twice, an `Lstm`'s
+//! input and hidden state once per gate. Here one copy serves them all, when the op keeps it
+//! anyway: a `Lower` op (matmul, linear, conv) keeps an input for its backward when its other
+//! float inputs are tracked (burn-autodiff 0.21), and only then is the copy shared, so the
+//! cache never holds a copy longer than the first op's backward would. A frozen layer's
+//! matmul keeps nothing of its input, and its input casts per use (and is freed after it).
+//! The `Lstm` above keeps 0.92× f32's bytes with both, four Llama MLP blocks 0.77× (`cargo
+//! bench --bench saved_activations`).
 //!
 //! Each use still gets its own cast node in the graph, whose output is the cached copy: only
 //! the memory is shared, never a node. Two graphs through one parameter (two forwards, then
 //! two backwards) thus keep their own gradient paths, exactly as without the cache; one shared
 //! node would be consumed by the first backward and drop the second one's gradient.
 //!
-//! What is cached (PyTorch's rule): f32 leaf tensors that require a gradient (the parameters
-//! being trained), cast to the low dtype. Everything else casts per use. An entry is dropped at
-//! the thread's next backward, when the thread's outermost
-//! [`AutocastGuard`](crate::AutocastGuard) is dropped, or once its parameter's node is gone
-//! (checked each time the cache doubles, from 16 entries).
+//! What is cached: casts from f32 to f16 or bf16 of a leaf that requires a gradient (a
+//! parameter being trained), by any op, and of any other tensor, by a `Lower` op whose other
+//! float inputs autodiff tracks. An entry is dropped at the thread's next backward, when the
+//! thread's outermost [`AutocastGuard`](crate::AutocastGuard) is dropped, or once its
+//! tensor's node is gone (checked each time the cache doubles, from 16 entries).
 //!
 //! Reaching the autodiff node of a generic `B`'s tensor needs its concrete type: the backends
 //! of this crate are listed ([`is_supported`]); on any other backend each use casts, as it
@@ -30,17 +40,19 @@ use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
 use std::sync::{Arc, Weak};
 
+use burn::backend::Autodiff;
 use burn::backend::autodiff::NodeId;
 use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
 use burn::backend::autodiff::ops::{Backward, OpsKind};
+use burn_backend::ops::FloatTensorOps;
 use burn_backend::{Backend, DType, TensorMetadata};
 use burn_std::FloatDType;
 
 use super::concrete::{AutodiffTensor, CastBackward, NodeBuilder, build_node};
 
-/// One parameter's low-precision copy.
+/// One tensor's low-precision copy.
 struct Entry {
-    /// The parameter's autodiff node: alive while its tensors hold it, and the graphs built on
+    /// The tensor's autodiff node: alive while its tensors hold it, and the graphs built on
     /// it until a backward frees them. (Its handle count, `AutodiffTensor::rc`, is also held by
     /// autodiff's graph until a backward, then not: no fixed count means dead.)
     source: Weak<dyn Any>,
@@ -54,9 +66,10 @@ const PRUNE_FROM: usize = 16;
 thread_local! {
     static ENTRIES: RefCell<HashMap<(NodeId, FloatDType), Entry>> = RefCell::new(HashMap::new());
     static ENABLED: Cell<bool> = const { Cell::new(true) };
+    static ACTIVATIONS: Cell<bool> = const { Cell::new(true) };
 }
 
-/// Whether `B`'s parameter casts are cached: `B` is `Autodiff<X>` (either checkpointing
+/// Whether `B`'s casts are cached: `B` is `Autodiff<X>` (either checkpointing
 /// strategy) over one of this crate's backends, Flex, Wgpu or (feature `cuda`) Cuda.
 pub fn is_supported<B: Backend>() -> bool {
     super::concrete::is_listed::<B>()
@@ -71,6 +84,12 @@ pub fn set_enabled(enabled: bool) -> bool {
     ENABLED.with(|e| e.replace(enabled))
 }
 
+/// Turns the sharing of activation casts on or off for this thread (on by default; the
+/// parameters stay cached while the cache is on); returns the previous setting.
+pub fn set_activations_enabled(enabled: bool) -> bool {
+    ACTIVATIONS.with(|e| e.replace(enabled))
+}
+
 /// Drops this thread's cached copies (the graphs that use them keep theirs).
 pub fn clear() {
     // Taken out before dropping: a copy's drop must not find the map borrowed.
@@ -83,37 +102,62 @@ pub fn len() -> usize {
     ENTRIES.with(|e| e.borrow().len())
 }
 
-/// Casts a trained f32 parameter to `target` through the cache; `Err` gives the tensor back
-/// when the cache does not apply (another tensor or dtype, an unsupported backend, off).
+/// Casts an f32 tensor to `target` (f16 or bf16) through the cache, for an op with
+/// `untracked` float inputs that autodiff does not track when it is a `Lower` op; `Err` gives
+/// the tensor back when the cache does not apply (another dtype, an unsupported backend,
+/// off). A tensor that is not cached gets a plain cast.
 #[inline]
 pub(crate) fn cast<B: Backend>(
     tensor: B::FloatTensorPrimitive,
     target: FloatDType,
+    untracked: Option<u8>,
 ) -> Result<B::FloatTensorPrimitive, B::FloatTensorPrimitive> {
-    if target == FloatDType::F32
+    if !matches!(target, FloatDType::F16 | FloatDType::BF16)
         || tensor.dtype() != DType::F32
         || !ENABLED.with(|e| e.get())
-        || !B::float_is_require_grad(&tensor)
     {
         return Err(tensor);
     }
-    build_node::<B, _>(tensor, CachedCast(target))
+    // Activations only where the op's other inputs are all tracked (one: the tensor itself).
+    let lowered_with_tracked = untracked.filter(|n| *n <= 1 && ACTIVATIONS.with(|e| e.get()));
+    if lowered_with_tracked.is_none() && !B::float_is_require_grad(&tensor) {
+        return Err(tensor);
+    }
+    build_node::<B, _>(
+        tensor,
+        CachedCast {
+            target,
+            untracked: lowered_with_tracked,
+        },
+    )
 }
 
-/// A cast of a trained parameter through the cache.
-struct CachedCast(FloatDType);
+/// A cast through the cache; `untracked` as in [`cast`], `None` for parameters only.
+struct CachedCast {
+    target: FloatDType,
+    untracked: Option<u8>,
+}
 
 impl NodeBuilder for CachedCast {
     fn build<X: Backend, C: CheckpointStrategy>(
         self,
         tensor: AutodiffTensor<X>,
     ) -> AutodiffTensor<X> {
-        cast_parameter::<X, C>(tensor, self.0)
+        let parameter = Autodiff::<X, C>::float_is_require_grad(&tensor);
+        // The op keeps this input when every other one is tracked.
+        let others_tracked = self
+            .untracked
+            .is_some_and(|n| n == u8::from(!tensor.is_tracked()));
+        if parameter || others_tracked {
+            cast_shared::<X, C>(tensor, self.target)
+        } else {
+            Autodiff::<X, C>::float_cast(tensor, self.target)
+        }
     }
 }
 
 /// A fresh cast node over `tensor` whose output is the cached copy (made on a miss).
-fn cast_parameter<X: Backend, C: CheckpointStrategy>(
+fn cast_shared<X: Backend, C: CheckpointStrategy>(
     tensor: AutodiffTensor<X>,
     target: FloatDType,
 ) -> AutodiffTensor<X> {
@@ -135,7 +179,7 @@ fn cast_parameter<X: Backend, C: CheckpointStrategy>(
             };
             let dead = ENTRIES.with(|e| {
                 let mut entries = e.borrow_mut();
-                // Parameters replaced without a backward on this thread: their copies go
+                // Tensors gone without a backward on this thread: their copies go
                 // when the map doubles (a scan per new cast would cost O(n²) a forward).
                 let len = entries.len();
                 let dead: Vec<Entry> = if len >= PRUNE_FROM && len.is_power_of_two() {

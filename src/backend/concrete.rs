@@ -85,6 +85,22 @@ pub(crate) fn is_listed<B: Backend>() -> bool {
     dispatch::<B, _>(Probe).is_ok()
 }
 
+/// Whether autodiff records ops on `tensor` (a parameter, or computed from one), when `B` is a
+/// listed autodiff backend.
+pub(crate) fn is_tracked<B: Backend>(tensor: &B::FloatTensorPrimitive) -> Option<bool> {
+    struct Tracked<'a, P>(&'a P);
+    impl<P: 'static> Visit for Tracked<'_, P> {
+        type Out = bool;
+        fn visit<X: Backend, C: CheckpointStrategy>(self) -> bool {
+            (self.0 as &dyn Any)
+                .downcast_ref::<AutodiffTensor<X>>()
+                .expect("the backend's tensor type, as matched by its TypeId")
+                .is_tracked()
+        }
+    }
+    dispatch::<B, _>(Tracked(tensor)).ok()
+}
+
 /// Moves a value between two names of one type (`dispatch` proved them equal).
 fn moved<T: 'static, U: 'static>(value: T) -> U {
     let mut slot = Some(value);

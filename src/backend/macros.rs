@@ -41,7 +41,9 @@ macro_rules! autocast_ops {
             );
             $(autocast_input!(see $kind autocast $input);)*
             #[allow(unused_variables)]
-            let target = autocast.target();
+            let plan = autocast.plan();
+            #[allow(unused_variables)]
+            let target = plan.target;
             #[allow(unused_mut)]
             let mut probe = $crate::doctor::Probe::<B>::start($crate::backend::policy::Op::$name);
             if let Some(probe) = probe.as_mut() {
@@ -57,7 +59,7 @@ macro_rules! autocast_ops {
                     probe.shadow(&shadow);
                 }
             }
-            $(let $input = autocast_input!(cast $kind target $name $input);)*
+            $(let $input = autocast_input!(cast $kind plan $input);)*
             #[allow(unused_variables)]
             if let Some(probe) = probe.as_mut() {
                 $(autocast_input!(probe_cast $kind probe $input);)*
@@ -87,24 +89,19 @@ macro_rules! autocast_input {
             $cx.see(x)
         }
     };
-    (cast s $target:ident $op:ident $x:ident) => {
+    (cast s $plan:ident $x:ident) => {
         $x
     };
-    (cast t $target:ident $op:ident $x:ident) => {
-        $crate::backend::policy::cast::<B>($x, $target, $crate::backend::policy::Op::$op)
+    (cast t $plan:ident $x:ident) => {
+        $plan.cast::<B>($x)
     };
-    (cast opt $target:ident $op:ident $x:ident) => {
-        $x.map(|x| $crate::backend::policy::cast::<B>(x, $target, $crate::backend::policy::Op::$op))
+    (cast opt $plan:ident $x:ident) => {
+        $x.map(|x| $plan.cast::<B>(x))
     };
-    (cast vec $target:ident $op:ident $x:ident) => {
-        match $target {
+    (cast vec $plan:ident $x:ident) => {
+        match $plan.target {
             None => $x,
-            Some(_) => $x
-                .into_iter()
-                .map(|x| {
-                    $crate::backend::policy::cast::<B>(x, $target, $crate::backend::policy::Op::$op)
-                })
-                .collect(),
+            Some(_) => $x.into_iter().map(|x| $plan.cast::<B>(x)).collect(),
         }
     };
     (probe s $p:ident $x:ident) => {

@@ -160,6 +160,7 @@ fn widest(seen: u8) -> FloatDType {
 
 /// Resolves one op call: sees the float inputs, then tells the dtype to cast them to.
 pub(crate) struct Autocast<B: Backend> {
+    op: Op,
     category: Category,
     /// The dtype category `Lower` lowers to, once known.
     low: Option<FloatDType>,
@@ -170,6 +171,8 @@ pub(crate) struct Autocast<B: Backend> {
     asked: Option<Precision>,
     memo: Option<Resolved>,
     seen: u8,
+    /// How many float inputs of a `Lower` op autodiff does not track (saturating).
+    untracked: u8,
     _backend: core::marker::PhantomData<B>,
 }
 
@@ -193,12 +196,14 @@ impl<B: Backend> Autocast<B> {
             }
         };
         Self {
+            op,
             category,
             low,
             low_pending,
             asked,
             memo,
             seen: 0,
+            untracked: 0,
             _backend: core::marker::PhantomData,
         }
     }
@@ -209,15 +214,33 @@ impl<B: Backend> Autocast<B> {
         if let Some(dtype) = float_dtype(tensor.dtype()) {
             self.seen |= bit(dtype);
         }
+        if self.category == Category::Lower
+            && !super::concrete::is_tracked::<B>(tensor).unwrap_or(false)
+        {
+            self.untracked = self.untracked.saturating_add(1);
+        }
         if self.low_pending {
             self.low_pending = false;
             self.low = resolve_low::<B>(self.asked, self.memo, &B::float_device(tensor));
         }
     }
 
+    /// What to do with the inputs seen: their dtype, and what the casts may share.
+    #[inline(always)]
+    pub(crate) fn plan(&self) -> Plan {
+        Plan {
+            target: self.target(),
+            op: self.op,
+            // `Lower` ops (matmul, linear, conv) keep an input for their backward when the
+            // others are tracked (burn-autodiff 0.21: conv always, matmul and linear when
+            // the other operand is): a copy of it shared is then kept by its first user anyway.
+            untracked: (self.category == Category::Lower).then_some(self.untracked),
+        }
+    }
+
     /// The dtype to cast the inputs to, or `None` when they are already right.
     #[inline(always)]
-    pub(crate) fn target(&self) -> Option<FloatDType> {
+    fn target(&self) -> Option<FloatDType> {
         if self.seen == 0 {
             return None;
         }
@@ -312,21 +335,33 @@ fn resolve_low_cold<B: Backend>(
     low
 }
 
-/// Casts `tensor`, an input of `op`, to `target` unless it is there already or is not a
-/// float: a trained f32 parameter through the [weight-cast cache](super::cast_cache), a
-/// widening that `op` would keep for its backward through a [recomputed cast](super::upcast).
-#[inline(always)]
-pub(crate) fn cast<B: Backend>(
-    tensor: B::FloatTensorPrimitive,
-    target: Option<FloatDType>,
+/// One op call's casts, from [`Autocast::plan`].
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Plan {
+    /// The dtype to cast the float inputs to, or `None` when they are already right.
+    pub(crate) target: Option<FloatDType>,
     op: Op,
-) -> B::FloatTensorPrimitive {
-    match target {
-        Some(target) if float_dtype(tensor.dtype()).is_some_and(|d| d != target) => {
-            super::cast_cache::cast::<B>(tensor, target)
-                .or_else(|tensor| super::upcast::cast::<B>(tensor, target, op))
-                .unwrap_or_else(|tensor| B::float_cast(tensor, target))
+    /// For a `Lower` op, how many of its float inputs autodiff does not track.
+    untracked: Option<u8>,
+}
+
+impl Plan {
+    /// Casts `tensor`, an input of the op, to the target unless it is there already or is
+    /// not a float: a narrowing that the op keeps for its backward through the
+    /// [cast cache](super::cast_cache) (one copy per tensor, shared by its uses), a widening
+    /// that the op keeps through a [recomputed cast](super::upcast).
+    #[inline(always)]
+    pub(crate) fn cast<B: Backend>(
+        self,
+        tensor: B::FloatTensorPrimitive,
+    ) -> B::FloatTensorPrimitive {
+        match self.target {
+            Some(target) if float_dtype(tensor.dtype()).is_some_and(|d| d != target) => {
+                super::cast_cache::cast::<B>(tensor, target, self.untracked)
+                    .or_else(|tensor| super::upcast::cast::<B>(tensor, target, self.op))
+                    .unwrap_or_else(|tensor| B::float_cast(tensor, target))
+            }
+            _ => tensor,
         }
-        _ => tensor,
     }
 }

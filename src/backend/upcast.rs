@@ -18,7 +18,7 @@
 //! tensor, so it is used only for the ops that keep that input ([`keeps_widened_input`]); the
 //! others (`add`, `sum`, softmax's composition) cast as before and keep nothing.
 //!
-//! Like the [weight-cast cache](super::cast_cache), this needs the concrete autodiff backend:
+//! Like the [cast cache](super::cast_cache), this needs the concrete autodiff backend:
 //! `Autodiff<Flex | Wgpu | Cuda>`, either checkpointing ([`is_supported`]); other backends save
 //! the cast's output as before.
 

@@ -1,7 +1,8 @@
-//! The weight-cast cache: a layer used at every step of a sequence (Burn's `Lstm`) casts each
-//! parameter once per forward, and its gradients are bitwise those of a cast per use, also
-//! through two graphs at once and with checkpointing. The memory it saves is measured in
-//! `tests/memory_counting.rs` (Flex, exact) and `tests/memory.rs` (wgpu).
+//! The cast cache for parameters: a layer used at every step of a sequence (Burn's `Lstm`)
+//! casts each parameter once per forward, and its gradients are bitwise those of a cast per
+//! use, also through two graphs at once and with checkpointing. The memory it saves is
+//! measured in `tests/memory_counting.rs` (Flex, exact) and `tests/memory.rs` (wgpu); shared
+//! activation casts are tested in `shared_casts.rs`.
 
 use burn::backend::Autodiff;
 use burn::backend::autodiff::checkpoint::strategy::{
@@ -19,6 +20,8 @@ const HIDDEN: usize = 32;
 const SEQ: usize = 6;
 /// An `Lstm`'s four gates, each an input and a hidden `Linear` with a bias.
 const PARAMETERS: usize = 16;
+/// The activations its gates share one copy of: each timestep's input and hidden state.
+const ACTIVATIONS: usize = 2 * SEQ;
 
 pub(super) fn new_lstm<B: Backend>(device: &B::Device) -> (Lstm<B>, Tensor<B, 3>, Tensor<B, 3>) {
     B::seed(device, 11);
@@ -88,8 +91,9 @@ fn cached_against_per_use<X: Backend, C: CheckpointStrategy>(device: &X::Device,
     let (lstm, x, _) = new_lstm::<Amp<Autodiff<X, C>>>(device);
     let (cached, held, after) = step(&lstm, x.clone(), true);
     assert_eq!(
-        held, PARAMETERS,
-        "{what}: one copy per parameter, not one per timestep"
+        held,
+        PARAMETERS + ACTIVATIONS,
+        "{what}: one copy per parameter (not one per timestep), per input and hidden state (not one per gate)"
     );
     assert_eq!(after, 0, "{what}: backward drops the cache");
     let (per_use, held, _) = step(&lstm, x, false);
@@ -118,6 +122,8 @@ fn two_graphs_over_one_copy_keep_their_gradients<X: Backend>(
 ) {
     type B<X> = Amp<Autodiff<X>>;
     let _g = autocast(precision);
+    // Parameters only: the activations of two graphs are two sets of tensors.
+    let activations = cast_cache::set_activations_enabled(false);
     let (lstm, x1, x2) = new_lstm::<B<X>>(device);
     let first = loss(&lstm, x1.clone());
     let second = loss(&lstm, x2.clone());
@@ -133,6 +139,7 @@ fn two_graphs_over_one_copy_keep_their_gradients<X: Backend>(
     let first_alone = gradients(&lstm, &loss(&lstm, x1).backward());
     let second_alone = gradients(&lstm, &loss(&lstm, x2).backward());
     cast_cache::set_enabled(previous);
+    cast_cache::set_activations_enabled(activations);
     assert_same(&first, &first_alone, "first graph");
     assert_same(
         &second,
@@ -144,14 +151,15 @@ fn two_graphs_over_one_copy_keep_their_gradients<X: Backend>(
 flex_and_wgpu_tests!(two_graphs_over_one_copy_keep_their_gradients:
     two_graphs_flex_f16, two_graphs_flex_bf16, two_graphs_wgpu_f16);
 
-/// What is cached, and how long: trained f32 parameters only; kept through an inner guard,
-/// dropped with the outermost one and once their parameters are gone; off on request.
+/// Which parameters are cached, and how long: trained f32 parameters; kept through an inner
+/// guard, dropped with the outermost one and once their parameters are gone; off on request.
 #[test]
 fn the_cache_holds_trained_parameters_for_one_scope() {
     use burn::backend::Flex;
     use burn::module::Module;
     type B = Amp<Autodiff<Flex>>;
     let device = Default::default();
+    cast_cache::set_activations_enabled(false);
     let outer = autocast(Precision::F16);
     let (lstm, x, _) = new_lstm::<B>(&device);
     drop(loss(&lstm, x.clone()));

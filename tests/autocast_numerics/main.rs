@@ -40,6 +40,7 @@ mod cast_cache;
 mod deform_conv;
 mod pooling;
 mod probabilities;
+mod shared_casts;
 mod support;
 mod upcast;
 

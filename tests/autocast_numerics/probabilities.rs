@@ -134,7 +134,7 @@ unsafe impl GlobalAlloc for CountingAlloc {
 #[global_allocator]
 static ALLOC: CountingAlloc = CountingAlloc;
 
-fn live_bytes() -> isize {
+pub(super) fn live_bytes() -> isize {
     LIVE_BYTES.with(|c| c.get())
 }
 

@@ -98,7 +98,7 @@ pub fn assert_cache_saves(per_use: u64, cached: u64) {
 }
 
 /// The bytes an `Lstm` forward keeps until its backward (after a first unmeasured step),
-/// with the weight-cast cache on or off, under the caller's autocast setting.
+/// with the parameter casts cached or not, under the caller's autocast setting.
 pub fn lstm_forward_keeps<B: AutodiffBackend>(
     device: &B::Device,
     cache: bool,
@@ -110,11 +110,14 @@ pub fn lstm_forward_keeps<B: AutodiffBackend>(
     let _ = parameter_bytes::<B, _>(&lstm); // materialise the lazy parameters first
     let x = Tensor::<B, 3>::ones([RNN_BATCH, RNN_SEQ, RNN_HIDDEN], device);
     let previous = cast_cache::set_enabled(cache);
+    // Parameters alone (the hand counts above); shared activation casts: `autocast_numerics`.
+    let activations = cast_cache::set_activations_enabled(false);
     let _ = lstm.forward(x.clone(), None).0.mean().backward();
     let before = in_use();
     let loss = lstm.forward(x, None).0.mean();
     let kept = in_use() - before;
     let _ = loss.backward();
     cast_cache::set_enabled(previous);
+    cast_cache::set_activations_enabled(activations);
     kept
 }

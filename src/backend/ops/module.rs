@@ -14,7 +14,7 @@ use burn_backend::tensor::{BoolTensor, FloatTensor, IntTensor};
 
 use crate::backend::Amp;
 use crate::backend::macros::{autocast_input, autocast_ops};
-use crate::backend::policy::{Autocast, Op, cast};
+use crate::backend::policy::{Autocast, Op};
 
 impl<B: Backend> ModuleOps<Self> for Amp<B> {
     autocast_ops! {
@@ -92,13 +92,13 @@ impl<B: Backend> ModuleOps<Self> for Amp<B> {
         if autocast.lowers() && B::ad_enabled(&B::float_device(&query)) {
             return attention_fallback::<Self>(query, key, value, mask, attn_bias, options);
         }
-        let target = autocast.target();
+        let plan = autocast.plan();
         B::attention(
-            cast::<B>(query, target, Op::attention),
-            cast::<B>(key, target, Op::attention),
-            cast::<B>(value, target, Op::attention),
+            plan.cast::<B>(query),
+            plan.cast::<B>(key),
+            plan.cast::<B>(value),
             mask,
-            attn_bias.map(|b| cast::<B>(b, target, Op::attention)),
+            attn_bias.map(|b| plan.cast::<B>(b)),
             options,
         )
     }
@@ -119,14 +119,14 @@ impl<B: Backend> ModuleOps<Self> for Amp<B> {
         autocast_input!(see opt autocast mask);
         autocast_input!(see opt autocast bias);
         autocast_input!(see t autocast output_grad);
-        let target = autocast.target();
+        let plan = autocast.plan();
         let grads = B::deform_conv2d_backward(
-            cast::<B>(x, target, Op::deform_conv2d_backward),
-            cast::<B>(offset, target, Op::deform_conv2d_backward),
-            cast::<B>(weight, target, Op::deform_conv2d_backward),
-            mask.map(|m| cast::<B>(m, target, Op::deform_conv2d_backward)),
-            bias.map(|b| cast::<B>(b, target, Op::deform_conv2d_backward)),
-            cast::<B>(output_grad, target, Op::deform_conv2d_backward),
+            plan.cast::<B>(x),
+            plan.cast::<B>(offset),
+            plan.cast::<B>(weight),
+            mask.map(|m| plan.cast::<B>(m)),
+            bias.map(|b| plan.cast::<B>(b)),
+            plan.cast::<B>(output_grad),
             options,
         );
         DeformConv2dBackward::new(
@@ -222,6 +222,6 @@ fn promote_pair<B: Backend>(
     let mut autocast = Autocast::<B>::new(op);
     autocast.see(&a);
     autocast.see(&b);
-    let target = autocast.target();
-    (cast::<B>(a, target, op), cast::<B>(b, target, op))
+    let plan = autocast.plan();
+    (plan.cast::<B>(a), plan.cast::<B>(b))
 }
