@@ -11,6 +11,8 @@
 
 #[path = "../tests/common/mod.rs"]
 mod common;
+#[path = "common/mode.rs"]
+mod mode;
 #[path = "common/report.rs"]
 mod report;
 
@@ -242,18 +244,12 @@ where
 }
 
 fn main() {
-    // `cargo bench` passes `--bench`; under `cargo test --all-targets` this runs as a quick
-    // smoke test, so that the bench cannot rot.
-    let args: Vec<String> = std::env::args().collect();
-    let quick = args.iter().any(|a| a == "--quick") || !args.iter().any(|a| a == "--bench");
+    mode::ensure_runtime_dir();
+    let quick = mode::quick();
     let iters = if quick { 3 } else { 40 };
 
     let (mlp_ratio, lm_ratio, mlp_a, mlp_p, lm_a, lm_p) = overhead(iters);
 
-    if std::env::var_os("XDG_RUNTIME_DIR").is_none() {
-        // SAFETY: single-threaded at this point.
-        unsafe { std::env::set_var("XDG_RUNTIME_DIR", std::env::temp_dir()) };
-    }
     // Activation-heavy: a large batch through narrow layers, so that saved activations, not
     // parameters, dominate the step (as in real training).
     let (batch, width, depth) = if quick { (256, 64, 2) } else { (8192, 256, 8) };

@@ -9,6 +9,8 @@
 
 #[path = "../tests/common/mod.rs"]
 mod common;
+#[path = "common/mode.rs"]
+mod mode;
 #[path = "common/report.rs"]
 mod report;
 
@@ -26,8 +28,7 @@ fn median(mut v: Vec<Duration>) -> Duration {
 }
 
 fn main() {
-    let args: Vec<String> = std::env::args().collect();
-    let quick = args.iter().any(|a| a == "--quick") || !args.iter().any(|a| a == "--bench");
+    let quick = mode::quick();
     let iters = if quick { 2 } else { 15 };
     let device = Default::default();
     let config = TinyLmConfig::new().with_dropout(0.0);

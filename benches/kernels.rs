@@ -58,6 +58,8 @@
 
 #[path = "../tests/common/mod.rs"]
 mod common;
+#[path = "common/mode.rs"]
+mod mode;
 #[path = "common/report.rs"]
 mod report;
 
@@ -524,10 +526,7 @@ fn dtype_size(dtype: FloatDType) -> usize {
 
 fn main() {
     let args: Vec<String> = std::env::args().collect();
-    // `cargo bench` passes `--bench`; under `cargo test --all-targets` this is a quick smoke run.
-    let quick = args.iter().any(|a| a == "--quick")
-        || !args.iter().any(|a| a == "--bench")
-        || std::env::var_os("BURN_AMP_BENCH_QUICK").is_some_and(|v| v != "0");
+    let quick = mode::quick() || std::env::var_os("BURN_AMP_BENCH_QUICK").is_some_and(|v| v != "0");
     let count = args.iter().any(|a| a == "--count-launches");
     if count {
         let _ = std::fs::remove_file(LOG);

@@ -7,6 +7,8 @@
 
 #[path = "../tests/common/mod.rs"]
 mod common;
+#[path = "common/mode.rs"]
+mod mode;
 #[path = "common/report.rs"]
 mod report;
 
@@ -157,12 +159,8 @@ fn num_param_tensors<B: Backend, M: burn::module::Module<B>>(module: &M) -> usiz
 }
 
 fn main() {
-    let args: Vec<String> = std::env::args().collect();
-    let quick = args.iter().any(|a| a == "--quick") || !args.iter().any(|a| a == "--bench");
-    if std::env::var_os("XDG_RUNTIME_DIR").is_none() {
-        // SAFETY: single-threaded here, before any device exists.
-        unsafe { std::env::set_var("XDG_RUNTIME_DIR", std::env::temp_dir()) };
-    }
+    mode::ensure_runtime_dir();
+    let quick = mode::quick();
     let (config, batch) = if quick {
         (TinyLmConfig::new().with_d_model(32).with_d_ff(64), 8)
     } else {

@@ -19,6 +19,8 @@
 //! Flex: exact bytes (the counting allocator), bf16 (its default). Wgpu (lavapipe): CubeCL's
 //! allocator, f16.
 
+#[path = "common/mode.rs"]
+mod mode;
 #[path = "common/report.rs"]
 mod report;
 
@@ -214,12 +216,8 @@ fn backend<B: AutodiffBackend>(
 }
 
 fn main() {
-    let args: Vec<String> = std::env::args().collect();
-    let quick = args.iter().any(|a| a == "--quick") || !args.iter().any(|a| a == "--bench");
-    if std::env::var_os("XDG_RUNTIME_DIR").is_none() {
-        // SAFETY: single-threaded here, before any device exists.
-        unsafe { std::env::set_var("XDG_RUNTIME_DIR", std::env::temp_dir()) };
-    }
+    mode::ensure_runtime_dir();
+    let quick = mode::quick();
     let (models, iters) = if quick {
         (
             [

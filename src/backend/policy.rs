@@ -214,14 +214,16 @@ impl<B: Backend> Autocast<B> {
         if let Some(dtype) = float_dtype(tensor.dtype()) {
             self.seen |= bit(dtype);
         }
-        if self.category == Category::Lower
-            && !super::concrete::is_tracked::<B>(tensor).unwrap_or(false)
-        {
-            self.untracked = self.untracked.saturating_add(1);
-        }
         if self.low_pending {
             self.low_pending = false;
             self.low = resolve_low::<B>(self.asked, self.memo, &B::float_device(tensor));
+        }
+        // Only a lowering `Lower` op narrows, and needs this (f32 runs skip the probe).
+        if self.category == Category::Lower
+            && self.low.is_some()
+            && !super::concrete::is_tracked::<B>(tensor).unwrap_or(false)
+        {
+            self.untracked = self.untracked.saturating_add(1);
         }
     }
 

@@ -88,6 +88,48 @@ fn rel_l2(got: &[f32], want: &[f32]) -> f32 {
     (num.sqrt() / den.sqrt().max(1e-30)) as f32
 }
 
+/// Gradients of two runs that differ in where a value lives (a copy shared, a cast
+/// recomputed), never in an operation: f32, and bitwise equal.
+fn assert_bitwise(
+    got: &[burn::tensor::TensorData],
+    want: &[burn::tensor::TensorData],
+    what: &str,
+    against: &str,
+) {
+    assert!(!got.is_empty());
+    for (i, (a, b)) in got.iter().zip(want).enumerate() {
+        assert_eq!(a.dtype, DType::F32, "{what}: gradient {i} is f32");
+        assert_eq!(a, b, "{what}: gradient {i} differs from {against}");
+    }
+}
+
+/// Each gradient within half precision of the f32 run's, but those in `skip`: relative L2
+/// error at most 5e-3 (f16) or 3e-2 (bf16, an 8-bit mantissa).
+fn assert_near_f32(
+    got: &[burn::tensor::TensorData],
+    f32: &[burn::tensor::TensorData],
+    precision: Precision,
+    what: &str,
+    skip: &[usize],
+) {
+    let tolerance = if precision == Precision::Bf16 {
+        3e-2
+    } else {
+        5e-3
+    };
+    for (i, (got, want)) in got.iter().zip(f32).enumerate() {
+        if skip.contains(&i) {
+            continue;
+        }
+        let (got, want) = (got.to_vec::<f32>().unwrap(), want.to_vec::<f32>().unwrap());
+        let err = rel_l2(&got, &want);
+        assert!(
+            err <= tolerance,
+            "{what}: gradient {i} {err:.2e} from f32's (tolerance {tolerance:.0e})"
+        );
+    }
+}
+
 /// A fixed pseudo-random stream in [0, 1).
 fn uniform(seed: u64) -> impl FnMut() -> f32 {
     let mut state = seed
