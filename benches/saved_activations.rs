@@ -9,12 +9,16 @@
 //!   activations those ops widened (recomputed widening casts, `backend::upcast`); the normed
 //!   input was cast once per linear of `SwiGlu`;
 //! - burn-nn's pre-norm `TransformerEncoder`: the normed input was cast once per projection
-//!   (query, key, value).
+//!   (query, key, value); softmax (Burn's composition) kept its shifted input and its
+//!   exponentials in f32, 8 bytes per attention weight (recomputed outputs).
+//!
+//! SiLU's `sigmoid(x)` and `SwiGlu`'s `silu(x)` were also kept in f32 by the products that use
+//! them, and an `Lstm`'s gates likewise (recomputed outputs, `backend::recompute`).
 //!
 //! Side by side in one run, per backend: f32; half precision as before the tools (a cast per
 //! use, widened copies kept); with the parameter cache; with recomputed widening too; with
-//! shared activation casts too (the default). The bytes one forward keeps, and the median time
-//! of a forward and backward; then one JSON line.
+//! shared activation casts too; with recomputed outputs too (the default). The bytes one
+//! forward keeps, and the median time of a forward and backward; then one JSON line.
 //!
 //! Flex: exact bytes (the counting allocator), bf16 (its default). Wgpu (lavapipe): CubeCL's
 //! allocator, f16.
@@ -34,7 +38,7 @@ use burn::nn::{
 use burn::prelude::*;
 use burn::tensor::Distribution;
 use burn::tensor::backend::AutodiffBackend;
-use burn_amp::backend::{cast_cache, upcast};
+use burn_amp::backend::{cast_cache, recompute, upcast};
 use burn_amp::memory::{CountingAlloc, DeviceMemory, parameter_bytes};
 use burn_amp::{Amp, Precision, autocast};
 
@@ -113,6 +117,7 @@ struct Tools {
     cache: bool,
     recompute: bool,
     activations: bool,
+    outputs: bool,
 }
 
 /// One configuration's figures: bytes kept by a forward, median time of a forward and backward.
@@ -134,6 +139,7 @@ fn measure<B: AutodiffBackend>(
     let cache = cast_cache::set_enabled(tools.cache);
     let recompute = upcast::set_enabled(tools.recompute);
     let activations = cast_cache::set_activations_enabled(tools.activations);
+    let outputs = recompute::set_enabled(tools.outputs);
     B::seed(&device, 1);
     let loss: Box<dyn Fn() -> Tensor<B, 1>> = match model {
         Model::Lstm(hidden, seq, batch) => {
@@ -182,6 +188,7 @@ fn measure<B: AutodiffBackend>(
     cast_cache::set_enabled(cache);
     upcast::set_enabled(recompute);
     cast_cache::set_activations_enabled(activations);
+    recompute::set_enabled(outputs);
     Figures {
         kept,
         step: times[times.len() / 2],
@@ -195,23 +202,25 @@ fn backend<B: AutodiffBackend>(
     iters: usize,
     half: Precision,
     in_use: fn(&B::Device) -> u64,
-) -> [Figures; 5] {
-    let run = move |precision, cache, recompute, activations| {
+) -> [Figures; 6] {
+    let run = move |precision, cache, recompute, activations, outputs| {
         let tools = Tools {
             cache,
             recompute,
             activations,
+            outputs,
         };
         std::thread::spawn(move || measure::<B>(model, iters, precision, tools, in_use))
             .join()
             .unwrap()
     };
     [
-        run(Precision::F32, true, true, true),
-        run(half, false, false, false),
-        run(half, true, false, false),
-        run(half, true, true, false),
-        run(half, true, true, true),
+        run(Precision::F32, true, true, true, true),
+        run(half, false, false, false, false),
+        run(half, true, false, false, false),
+        run(half, true, true, false, false),
+        run(half, true, true, true, false),
+        run(half, true, true, true, true),
     ]
 }
 
@@ -240,12 +249,12 @@ fn main() {
     let mib = |b: u64| b as f64 / (1024.0 * 1024.0);
     let ms = |d: Duration| d.as_secs_f64() * 1e3;
     println!(
-        "Bytes one forward keeps for its backward; median of {iters} forward+backward. Half: before = cast per use and widened copies kept; + cache = parameter casts cached; + recompute = widening casts recomputed; + shared = activation casts shared (the default)."
+        "Bytes one forward keeps for its backward; median of {iters} forward+backward. Half: before = cast per use, widened copies and outputs kept; + cache = parameter casts cached; + recompute = widening casts recomputed; + shared = activation casts shared; + outputs = elementwise and softmax outputs recomputed (the default)."
     );
     println!(
-        "| model | backend | f32 | half, before | + cache | + recompute | + shared | default / f32 | default / before | step f32 | step before | step default | default / before time |"
+        "| model | backend | f32 | half, before | + cache | + recompute | + shared | + outputs | default / f32 | default / before | step f32 | step before | step shared | step default | default / before time | default / shared time |"
     );
-    println!("|---|---|---|---|---|---|---|---|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|");
     let mut json = Vec::new();
     for model in models {
         let flex = backend::<Amp<Autodiff<Flex>>>(model, iters, Precision::Bf16, |_| {
@@ -256,22 +265,25 @@ fn main() {
                 .unwrap()
                 .bytes_in_use
         });
-        for (name, [f32, before, cached, recomputed, all]) in
+        for (name, [f32, before, cached, recomputed, shared, all]) in
             [("Flex (bf16)", flex), ("Wgpu (f16)", wgpu)]
         {
             let over_f32 = all.kept as f64 / f32.kept as f64;
             let over_before = all.kept as f64 / before.kept as f64;
             let time = all.step.as_secs_f64() / before.step.as_secs_f64();
+            let time_outputs = all.step.as_secs_f64() / shared.step.as_secs_f64();
             println!(
-                "| {} | {name} | {:.2} MiB | {:.2} MiB | {:.2} MiB | {:.2} MiB | {:.2} MiB | {over_f32:.3} | {over_before:.3} | {:.1} ms | {:.1} ms | {:.1} ms | {time:.3} |",
+                "| {} | {name} | {:.2} MiB | {:.2} MiB | {:.2} MiB | {:.2} MiB | {:.2} MiB | {:.2} MiB | {over_f32:.3} | {over_before:.3} | {:.1} ms | {:.1} ms | {:.1} ms | {:.1} ms | {time:.3} | {time_outputs:.3} |",
                 model.describe(),
                 mib(f32.kept),
                 mib(before.kept),
                 mib(cached.kept),
                 mib(recomputed.kept),
+                mib(shared.kept),
                 mib(all.kept),
                 ms(f32.step),
                 ms(before.step),
+                ms(shared.step),
                 ms(all.step),
             );
             let key = format!(
@@ -280,8 +292,8 @@ fn main() {
                 name.split(' ').next().unwrap().to_lowercase()
             );
             json.push(format!(
-                "\"{key}_kept_f32\":{},\"{key}_kept_before\":{},\"{key}_kept_cached\":{},\"{key}_kept_recomputed\":{},\"{key}_kept_default\":{},\"{key}_kept_default_over_f32\":{over_f32:.4},\"{key}_kept_default_over_before\":{over_before:.4},\"{key}_step_default_over_before\":{time:.4}",
-                f32.kept, before.kept, cached.kept, recomputed.kept, all.kept
+                "\"{key}_kept_f32\":{},\"{key}_kept_before\":{},\"{key}_kept_cached\":{},\"{key}_kept_recomputed\":{},\"{key}_kept_shared\":{},\"{key}_kept_default\":{},\"{key}_kept_default_over_f32\":{over_f32:.4},\"{key}_kept_default_over_before\":{over_before:.4},\"{key}_step_default_over_before\":{time:.4},\"{key}_step_default_over_shared\":{time_outputs:.4}",
+                f32.kept, before.kept, cached.kept, recomputed.kept, shared.kept, all.kept
             ));
         }
     }

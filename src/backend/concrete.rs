@@ -49,14 +49,14 @@ pub(crate) fn build_node<B: Backend, N: NodeBuilder>(
 }
 
 /// A computation over the concrete `Autodiff<X, C>` that a generic `B` turned out to be.
-trait Visit: Sized {
+pub(crate) trait Visit: Sized {
     type Out;
     fn visit<X: Backend, C: CheckpointStrategy>(self) -> Self::Out;
 }
 
 /// Runs `visit` with `B`'s inner backend and strategy when `B` is a listed autodiff backend;
 /// gives it back otherwise.
-fn dispatch<B: Backend, V: Visit>(visit: V) -> Result<V::Out, V> {
+pub(crate) fn dispatch<B: Backend, V: Visit>(visit: V) -> Result<V::Out, V> {
     let backend = TypeId::of::<B>();
     macro_rules! listed {
         ($($inner:ty),* $(,)?) => {$(
@@ -102,7 +102,7 @@ pub(crate) fn is_tracked<B: Backend>(tensor: &B::FloatTensorPrimitive) -> Option
 }
 
 /// Moves a value between two names of one type (`dispatch` proved them equal).
-fn moved<T: 'static, U: 'static>(value: T) -> U {
+pub(crate) fn moved<T: 'static, U: 'static>(value: T) -> U {
     let mut slot = Some(value);
     (&mut slot as &mut dyn Any)
         .downcast_mut::<Option<U>>()

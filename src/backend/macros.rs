@@ -31,7 +31,7 @@ macro_rules! forward_primitive {
 /// costs one atomic load).
 macro_rules! autocast_ops {
     ($($(#[$attr:meta])* fn $name:ident($($arg:ident: $ty:ty),* $(,)?) $(-> $ret:ty)?
-        => [$($kind:ident $input:ident),* $(,)?];)*) => {$(
+        => [$($kind:ident $input:ident),* $(,)?] $($recomputed:ident)?;)*) => {$(
         $(#[$attr])*
         #[inline(always)]
         fn $name($($arg: $ty),*) $(-> $ret)? {
@@ -64,13 +64,24 @@ macro_rules! autocast_ops {
             if let Some(probe) = probe.as_mut() {
                 $(autocast_input!(probe_cast $kind probe $input);)*
             }
-            let out = B::$name($($arg),*);
+            let out = autocast_call!($($recomputed)? $name($($arg),*));
             if let Some(probe) = probe {
                 probe.finish(&out);
             }
             out
         }
     )*};
+}
+
+/// The op itself: `B`'s, or for an op marked `recomputed`, the one of
+/// [`recompute`](super::recompute) (whose output the backward recomputes).
+macro_rules! autocast_call {
+    ($name:ident($($arg:ident),*)) => {
+        B::$name($($arg),*)
+    };
+    (recomputed $name:ident($($arg:ident),*)) => {
+        $crate::backend::recompute::$name::<B>($($arg),*)
+    };
 }
 
 /// One float input of [`autocast_ops!`]: observe it, cast it, or show it to a probe.
@@ -150,4 +161,4 @@ macro_rules! autocast_input {
     };
 }
 
-pub(crate) use {autocast_input, autocast_ops, forward, forward_primitive};
+pub(crate) use {autocast_call, autocast_input, autocast_ops, forward, forward_primitive};

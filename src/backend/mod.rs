@@ -16,6 +16,7 @@ mod host_reads;
 mod macros;
 mod ops;
 pub mod policy;
+pub mod recompute;
 pub mod upcast;
 
 use core::marker::PhantomData;

@@ -56,7 +56,8 @@ pub fn set_enabled(enabled: bool) -> bool {
 
 /// The autocast ops whose burn-autodiff backward keeps a float input (checkpointed, so
 /// recomputable): a widened input of these would be saved in f32. From burn-autodiff 0.21's
-/// ops; the `pow`s and `prod`s reach its `powf`, `mul`, `recip` and `log`.
+/// ops; the `pow`s and `prod`s reach its `powf`, `mul`, `recip` and `log`. (Softmax and
+/// log-softmax keep theirs too while [`recompute`](super::recompute) builds their node.)
 pub const fn keeps_widened_input(op: Op) -> bool {
     use Op::*;
     matches!(
@@ -105,7 +106,8 @@ pub(crate) fn cast<B: Backend>(
     target: FloatDType,
     op: Op,
 ) -> Result<B::FloatTensorPrimitive, B::FloatTensorPrimitive> {
-    if !keeps_widened_input(op) || !widens(tensor.dtype(), target) || !ENABLED.with(|e| e.get()) {
+    let keeps = keeps_widened_input(op) || super::recompute::keeps_input(op);
+    if !keeps || !widens(tensor.dtype(), target) || !ENABLED.with(|e| e.get()) {
         return Err(tensor);
     }
     build_node::<B, _>(tensor, Upcast(target))

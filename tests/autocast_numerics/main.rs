@@ -7,7 +7,9 @@
 //!
 //! Layout: this file holds the shared helpers and `flex_and_wgpu_tests!`; `pooling.rs`,
 //! `deform_conv.rs`, `attention.rs`, `probabilities.rs` (which also declares this binary's
-//! counting `#[global_allocator]`, for the SiLU measurement) and `support.rs` the tests.
+//! counting `#[global_allocator]`, for the SiLU measurement) and `support.rs` the tests;
+//! `cast_cache.rs`, `shared_casts.rs`, `upcast.rs` and `recompute.rs` test what autodiff keeps
+//! under autocast (gradients bitwise, bytes by hand).
 
 #[path = "../common/mod.rs"]
 mod common;
@@ -40,6 +42,7 @@ mod cast_cache;
 mod deform_conv;
 mod pooling;
 mod probabilities;
+mod recompute;
 mod shared_casts;
 mod support;
 mod upcast;

@@ -15,7 +15,7 @@ use burn_amp::backend::upcast;
 use burn_amp::{Amp, autocast};
 
 use super::cast_cache::{gradients as lstm_gradients, loss as lstm_loss, new_lstm};
-use super::probabilities::retained_per_element;
+use super::probabilities::{assert_kept_by_hand, retained_per_element};
 use super::*;
 
 /// Leaves of the chain below: an input, a weight, an f32 scale and an f32 divisor.
@@ -133,7 +133,10 @@ fn widened_inputs_are_kept_in_half_precision() {
     let n = 1 << 18;
     let kept = |precision, recompute, f: fn(Tensor<A, 1>) -> Tensor<A, 1>| {
         let previous = upcast::set_enabled(recompute);
+        // The widening alone: recomputed outputs (`recompute.rs`) off.
+        let outputs = burn_amp::backend::recompute::set_enabled(false);
         let (saved, _) = retained_per_element::<A>(precision, n, f);
+        burn_amp::backend::recompute::set_enabled(outputs);
         upcast::set_enabled(previous);
         saved
     };
@@ -156,20 +159,9 @@ fn widened_inputs_are_kept_in_half_precision() {
         // add keeps nothing: no recipe, no source kept (the cast is a plain one).
         ("x + f32(x)", |x| x.clone() + x.cast(DType::F32), 0.0, 0.0),
     ];
-    for precision in [Precision::F16, Precision::Bf16] {
-        for (what, f, on, off) in cases {
-            let (got_on, got_off) = (kept(precision, true, f), kept(precision, false, f));
-            eprintln!(
-                "{what} under {precision}: {got_on:.2} bytes/element kept, {got_off:.2} without recomputation"
-            );
-            for (got, want, setting) in [(got_on, on, "recomputed"), (got_off, off, "kept")] {
-                assert!(
-                    (got - want).abs() < 0.05,
-                    "{what} under {precision}, widening {setting}: {got:.2} bytes/element kept, by hand {want}"
-                );
-            }
-        }
-    }
+    assert_kept_by_hand("recomputed widening", &cases, |precision, on, f| {
+        kept(precision, on, *f)
+    });
 }
 
 /// The listed backends; any other casts and keeps as before.

@@ -13,7 +13,7 @@ use burn_backend::ops::{
 use burn_backend::tensor::{BoolTensor, FloatTensor, IntTensor};
 
 use crate::backend::Amp;
-use crate::backend::macros::{autocast_input, autocast_ops};
+use crate::backend::macros::{autocast_call, autocast_input, autocast_ops};
 use crate::backend::policy::{Autocast, Op};
 
 impl<B: Backend> ModuleOps<Self> for Amp<B> {

@@ -1,0 +1,295 @@
+//! Outputs recomputed in the backward instead of kept: elementwise ops and softmax.
+//!
+//! burn-autodiff's elementwise ops that keep their inputs for the backward (`sigmoid`, `exp`,
+//! `mul`, `tanh`, `gelu`, ...) are memory-bound: under `BalancedCheckpointing` a later op that
+//! needs their output keeps a recipe (the op, and inputs that are kept anyway) instead of the
+//! output. Without checkpointing the output is kept too. Under autocast that cost is doubled:
+//! the ops of the f32 category return f32 from half-precision inputs. SiLU is `x * sigmoid(x)`
+//! in Burn: the `mul` kept `sigmoid(x)` in f32, 4 bytes per element beside x's 2, where
+//! PyTorch's fused `silu` keeps x alone; `SwiGlu`'s product kept `silu(x)` in f32 too.
+//!
+//! While autocast lowers (any setting but `Precision::F32`), these ops build their node as
+//! memory-bound whatever the graph's strategy. They keep nothing more for it (their inputs
+//! are kept by their own backward already), and the backward recomputes an output it needs
+//! from those inputs: the same kernel on the same values, so the same bits. SiLU then keeps
+//! its half input alone (with [recomputed widening](super::upcast)); so does `silu(x) * y`.
+//!
+//! `softmax` and `log_softmax` were Burn's composition under autodiff (`sub`, `exp`, `sum`,
+//! `div`), which kept the shifted input and the exponentials, 8 bytes per element in f32. Here
+//! they are one node: the backend's kernel forward, the analytic backward
+//! (`y ⊙ (g − Σ g ⊙ y)`, `g − exp(y) ⊙ Σ g`), and only the input kept, recomputing `y`. An
+//! attention's scores, lowered by their matmul and widened for the softmax, are then kept in
+//! half (2 bytes per element, from 8), as are an LM head's logits under `log_softmax`.
+//!
+//! This needs the concrete autodiff backend, as the [cast cache](super::cast_cache) does:
+//! `Autodiff<Flex | Wgpu | Cuda>`, either checkpointing. Other backends run their own ops.
+
+use core::marker::PhantomData;
+use std::cell::Cell;
+
+use burn::backend::Autodiff;
+use burn::backend::autodiff::NodeId;
+use burn::backend::autodiff::checkpoint::base::Checkpointer;
+use burn::backend::autodiff::checkpoint::retro_forward::RetroForward;
+use burn::backend::autodiff::checkpoint::state::BackwardStates;
+use burn::backend::autodiff::checkpoint::strategy::{BalancedCheckpointing, CheckpointStrategy};
+use burn::backend::autodiff::grads::Gradients;
+use burn::backend::autodiff::ops::{Backward, Ops, OpsKind, unary};
+use burn_backend::Backend;
+use burn_backend::Scalar;
+use burn_backend::ops::{ActivationOps, FloatTensorOps};
+use burn_backend::tensor::FloatTensor;
+
+use super::concrete::{AutodiffTensor, Visit, dispatch, moved};
+use super::policy::Op;
+use crate::Precision;
+
+thread_local! {
+    static ENABLED: Cell<bool> = const { Cell::new(true) };
+}
+
+/// Turns recomputation on or off for this thread (on by default); returns the previous
+/// setting. Off, the ops build their nodes as burn-autodiff does under the graph's strategy,
+/// and softmax is Burn's composition.
+pub fn set_enabled(enabled: bool) -> bool {
+    ENABLED.with(|e| e.replace(enabled))
+}
+
+/// Whether this thread recomputes now: on, and autocast lowers.
+#[inline]
+fn active() -> bool {
+    ENABLED.with(|e| e.get()) && crate::precision::thread_state().precision != Some(Precision::F32)
+}
+
+/// Whether `op`, run now, keeps its input for its backward where Burn's own op did not: a
+/// widened input is then better kept as its half source ([`super::upcast`]).
+#[inline]
+pub(crate) fn keeps_input(op: Op) -> bool {
+    matches!(op, Op::softmax | Op::log_softmax) && active()
+}
+
+/// The type of an argument of an op below: a tensor (`t`), or another (`a`, passed as is).
+macro_rules! arg_type {
+    (t $tensor:ty) => {
+        $tensor
+    };
+    (a $tensor:ty, $other:ty) => {
+        $other
+    };
+}
+
+/// One function per op: `B`'s op, run as `Autodiff<X, BalancedCheckpointing>`'s when `B` is a
+/// listed `Autodiff<X, _>` and recomputation is active (the tensor type is the same under
+/// either strategy: only how the node is built differs).
+macro_rules! recomputed_ops {
+    ($($ops:ident :: $name:ident($($kind:ident $arg:ident $(: $ty:ty)?),*);)*) => {
+        /// The ops recomputed here: burn-autodiff 0.21's memory-bound ops that keep every
+        /// tracked input for their backward (so a recipe of them keeps nothing more), and
+        /// softmax and log-softmax.
+        pub const fn is_recomputed(op: Op) -> bool {
+            matches!(op, $(Op::$name)|* | Op::softmax | Op::log_softmax)
+        }
+        $(
+        #[inline]
+        pub(crate) fn $name<B: Backend>($($arg: arg_type!($kind FloatTensor<B> $(, $ty)?)),*) -> FloatTensor<B> {
+            if !active() {
+                return B::$name($($arg),*);
+            }
+            #[allow(non_camel_case_types)]
+            struct Call<P> {
+                $($arg: arg_type!($kind P $(, $ty)?)),*
+            }
+            impl<P: 'static> Visit for Call<P> {
+                type Out = P;
+                fn visit<X: Backend, C: CheckpointStrategy>(self) -> P {
+                    moved(<Autodiff<X, BalancedCheckpointing> as $ops<Autodiff<X, BalancedCheckpointing>>>::$name(
+                        $(recomputed_ops!(@arg $kind self.$arg)),*
+                    ))
+                }
+            }
+            match dispatch::<B, _>(Call { $($arg),* }) {
+                Ok(out) => out,
+                Err(Call { $($arg),* }) => B::$name($($arg),*),
+            }
+        }
+    )*
+    };
+    (@arg t $value:expr) => { moved($value) };
+    (@arg a $value:expr) => { $value };
+}
+
+recomputed_ops! {
+    FloatTensorOps::float_mul(t lhs, t rhs);
+    FloatTensorOps::float_div(t lhs, t rhs);
+    FloatTensorOps::float_remainder(t lhs, t rhs);
+    FloatTensorOps::float_atan2(t lhs, t rhs);
+    FloatTensorOps::float_powf(t lhs, t rhs);
+    FloatTensorOps::float_recip(t tensor);
+    FloatTensorOps::float_exp(t tensor);
+    FloatTensorOps::float_log(t tensor);
+    FloatTensorOps::float_log1p(t tensor);
+    FloatTensorOps::float_powf_scalar_impl(t tensor, a value: Scalar);
+    FloatTensorOps::float_sqrt(t tensor);
+    FloatTensorOps::float_abs(t tensor);
+    FloatTensorOps::float_cos(t tensor);
+    FloatTensorOps::float_sin(t tensor);
+    FloatTensorOps::float_tan(t tensor);
+    FloatTensorOps::float_tanh(t tensor);
+    FloatTensorOps::float_cosh(t tensor);
+    FloatTensorOps::float_sinh(t tensor);
+    FloatTensorOps::float_asin(t tensor);
+    FloatTensorOps::float_acos(t tensor);
+    FloatTensorOps::float_atan(t tensor);
+    FloatTensorOps::float_asinh(t tensor);
+    FloatTensorOps::float_acosh(t tensor);
+    FloatTensorOps::float_atanh(t tensor);
+    FloatTensorOps::float_erf(t tensor);
+    ActivationOps::relu(t tensor);
+    ActivationOps::gelu(t tensor);
+    ActivationOps::sigmoid(t tensor);
+    ActivationOps::log_sigmoid(t tensor);
+}
+
+/// `softmax` along `dim` as one node (see the module docs).
+#[inline]
+pub(crate) fn softmax<B: Backend>(tensor: FloatTensor<B>, dim: usize) -> FloatTensor<B> {
+    normalized::<B>(tensor, dim, Normalization::Softmax)
+}
+
+/// `log_softmax` along `dim` as one node.
+#[inline]
+pub(crate) fn log_softmax<B: Backend>(tensor: FloatTensor<B>, dim: usize) -> FloatTensor<B> {
+    normalized::<B>(tensor, dim, Normalization::LogSoftmax)
+}
+
+#[derive(Debug, Clone, Copy)]
+enum Normalization {
+    Softmax,
+    LogSoftmax,
+}
+
+impl Normalization {
+    fn forward<X: Backend>(self, tensor: FloatTensor<X>, dim: usize) -> FloatTensor<X> {
+        match self {
+            Normalization::Softmax => X::softmax(tensor, dim),
+            Normalization::LogSoftmax => X::log_softmax(tensor, dim),
+        }
+    }
+
+    /// The input's gradient from the output `y` and the output's gradient `g`.
+    fn backward<X: Backend>(
+        self,
+        y: FloatTensor<X>,
+        g: FloatTensor<X>,
+        dim: usize,
+    ) -> FloatTensor<X> {
+        match self {
+            // y ⊙ (g − Σ g ⊙ y)
+            Normalization::Softmax => {
+                let dot = X::float_sum_dim(X::float_mul(g.clone(), y.clone()), dim);
+                X::float_mul(y, X::float_sub(g, dot))
+            }
+            // g − exp(y) ⊙ Σ g
+            Normalization::LogSoftmax => {
+                let total = X::float_sum_dim(g.clone(), dim);
+                X::float_sub(g, X::float_mul(X::float_exp(y), total))
+            }
+        }
+    }
+}
+
+fn normalized<B: Backend>(
+    tensor: FloatTensor<B>,
+    dim: usize,
+    kind: Normalization,
+) -> FloatTensor<B> {
+    let forward = |tensor| match kind {
+        Normalization::Softmax => B::softmax(tensor, dim),
+        Normalization::LogSoftmax => B::log_softmax(tensor, dim),
+    };
+    if !active() {
+        return forward(tensor);
+    }
+    struct Call<P> {
+        tensor: P,
+        dim: usize,
+        kind: Normalization,
+    }
+    impl<P: 'static> Visit for Call<P> {
+        type Out = P;
+        fn visit<X: Backend, C: CheckpointStrategy>(self) -> P {
+            moved(normalized_node::<X>(
+                moved(self.tensor),
+                self.dim,
+                self.kind,
+            ))
+        }
+    }
+    match dispatch::<B, _>(Call { tensor, dim, kind }) {
+        Ok(out) => out,
+        Err(call) => forward(call.tensor),
+    }
+}
+
+/// The node: memory-bound, its input kept, its output recomputed where needed.
+fn normalized_node<X: Backend>(
+    tensor: AutodiffTensor<X>,
+    dim: usize,
+    kind: Normalization,
+) -> AutodiffTensor<X> {
+    match NormalizedBackward
+        .prepare::<BalancedCheckpointing>([tensor.node.clone()])
+        .memory_bound()
+        .retro_forward(RetroNormalized::<X> {
+            input: tensor.node.id,
+            dim,
+            kind,
+            _backend: PhantomData,
+        })
+        .parents([&tensor])
+        .stateful()
+    {
+        OpsKind::Tracked(mut prep) => {
+            let input = prep.checkpoint(&tensor);
+            prep.finish((input, dim, kind), kind.forward::<X>(tensor.primitive, dim))
+        }
+        OpsKind::UnTracked(prep) => prep.finish(kind.forward::<X>(tensor.primitive, dim)),
+    }
+}
+
+#[derive(Debug)]
+struct NormalizedBackward;
+
+impl<X: Backend> Backward<X, 1> for NormalizedBackward {
+    type State = (NodeId, usize, Normalization);
+
+    fn backward(
+        self,
+        ops: Ops<Self::State, 1>,
+        grads: &mut Gradients,
+        checkpointer: &mut Checkpointer,
+    ) {
+        let (input, dim, kind) = ops.state;
+        let input: FloatTensor<X> = checkpointer.retrieve_node_output(input);
+        let y = kind.forward::<X>(input, dim);
+        unary::<X, _>(ops.parents, ops.node, grads, |g| {
+            kind.backward::<X>(y, g, dim)
+        });
+    }
+}
+
+/// The forward again, in the backward, for an op that kept this node's output.
+#[derive(Debug)]
+struct RetroNormalized<X> {
+    input: NodeId,
+    dim: usize,
+    kind: Normalization,
+    _backend: PhantomData<fn() -> X>,
+}
+
+impl<X: Backend> RetroForward for RetroNormalized<X> {
+    fn forward(&self, states: &mut BackwardStates, out_node: NodeId) {
+        let input: FloatTensor<X> = states.get_state(&self.input);
+        states.save(out_node, self.kind.forward::<X>(input, self.dim));
+    }
+}
