@@ -11,7 +11,8 @@
 //! While autocast lowers (any setting but `Precision::F32`), these ops build their node as
 //! memory-bound whatever the graph's strategy. They keep nothing more for it (their inputs
 //! are kept by their own backward already), and the backward recomputes an output it needs
-//! from those inputs: the same kernel on the same values, so the same bits. SiLU then keeps
+//! from those inputs: the same op on the same values (the same bits on Flex and wgpu,
+//! tested; on CUDA, fusion may group the recomputed op with others). SiLU then keeps
 //! its half input alone (with [recomputed widening](super::upcast)); so does `silu(x) * y`.
 //!
 //! `softmax` and `log_softmax` were Burn's composition under autodiff (`sub`, `exp`, `sum`,

@@ -243,3 +243,29 @@ fn f32_runs_keep_what_autodiff_keeps() {
     assert_eq!(plain, 16, "plain autodiff: bytes per element");
     assert_eq!(amp, plain, "Amp at f32 keeps what plain autodiff keeps");
 }
+
+/// Which ops: those whose burn-autodiff backward keeps every input, and softmax; never one
+/// that keeps none (a recipe of `add` would hold its inputs until the backward).
+#[test]
+fn recomputed_ops_are_those_that_keep_their_inputs() {
+    use burn_amp::backend::Op;
+    for op in [
+        Op::sigmoid,
+        Op::float_mul,
+        Op::float_exp,
+        Op::gelu,
+        Op::softmax,
+        Op::log_softmax,
+    ] {
+        assert!(recompute::is_recomputed(op), "{op:?}");
+    }
+    for op in [
+        Op::float_add,
+        Op::float_sub,
+        Op::float_matmul,
+        Op::float_sum,
+        Op::layer_norm,
+    ] {
+        assert!(!recompute::is_recomputed(op), "{op:?}");
+    }
+}
