@@ -22,11 +22,20 @@
 //! attention's scores, lowered by their matmul and widened for the softmax, are then kept in
 //! half (2 bytes per element, from 8), as are an LM head's logits under `log_softmax`.
 //!
+//! A chain of recomputed nodes is at most [`MAX_CHAIN`] long: past it a node is built as the
+//! graph's strategy builds it (its output kept). burn-autodiff 0.21 walks a recomputed node's
+//! ancestors path by path, without memo, so a chain whose paths meet again (`y = y * f(y)` in a
+//! loop) costs 2^length in the backward: unbounded, 32 such steps did not finish in 20 minutes.
+//! The benched models' chains are short (`SwiGlu`: 4, from the widening cast to the product).
+//!
 //! This needs the concrete autodiff backend, as the [cast cache](super::cast_cache) does:
 //! `Autodiff<Flex | Wgpu | Cuda>`, either checkpointing. Other backends run their own ops.
 
+use core::any::Any;
 use core::marker::PhantomData;
-use std::cell::Cell;
+use std::cell::{Cell, RefCell};
+use std::collections::HashMap;
+use std::sync::{Arc, Weak};
 
 use burn::backend::Autodiff;
 use burn::backend::autodiff::NodeId;
@@ -45,8 +54,60 @@ use super::concrete::{AutodiffTensor, Visit, dispatch, moved};
 use super::policy::Op;
 use crate::Precision;
 
+/// The longest chain of recomputed nodes (widening casts included): at most 2^8 paths to
+/// walk for one retrieval in the backward.
+pub const MAX_CHAIN: u8 = 8;
+
+/// A recomputed node's place in its chain.
+struct Link {
+    depth: u8,
+    /// The node: alive while tensors or graphs hold it (pruned once gone).
+    node: Weak<dyn Any>,
+}
+
+/// The smallest map that is scanned for nodes gone.
+const PRUNE_FROM: usize = 64;
+
 thread_local! {
     static ENABLED: Cell<bool> = const { Cell::new(true) };
+    static CHAINS: RefCell<HashMap<NodeId, Link>> = RefCell::new(HashMap::new());
+}
+
+/// The depth in a chain of recomputed nodes of a node over `inputs`, or `None` past
+/// [`MAX_CHAIN`]: an input that is not a recomputed node starts a chain.
+pub(crate) fn chain_depth<'a, X: Backend>(
+    inputs: impl IntoIterator<Item = &'a AutodiffTensor<X>>,
+) -> Option<u8> {
+    let longest = CHAINS.with(|c| {
+        let chains = c.borrow();
+        inputs
+            .into_iter()
+            .filter_map(|t| chains.get(&t.node.id).map(|link| link.depth))
+            .max()
+            .unwrap_or(0)
+    });
+    (longest < MAX_CHAIN).then_some(longest + 1)
+}
+
+/// Notes that `output` is a recomputed node at `depth` of its chain.
+pub(crate) fn record<X: Backend>(output: &AutodiffTensor<X>, depth: u8) {
+    if !output.is_tracked() {
+        return;
+    }
+    let link = Link {
+        depth,
+        node: Arc::downgrade(&output.node) as Weak<dyn Any>,
+    };
+    CHAINS.with(|c| {
+        let mut chains = c.borrow_mut();
+        // Nodes gone (their backward ran, their tensors dropped) leave when the map doubles:
+        // a scan per node would cost O(n²) a forward.
+        let len = chains.len();
+        if len >= PRUNE_FROM && len.is_power_of_two() {
+            chains.retain(|_, link| link.node.strong_count() > 0);
+        }
+        chains.insert(output.node.id, link);
+    });
 }
 
 /// Turns recomputation on or off for this thread (on by default); returns the previous
@@ -103,9 +164,16 @@ macro_rules! recomputed_ops {
             impl<P: 'static> Visit for Call<P> {
                 type Out = P;
                 fn visit<X: Backend, C: CheckpointStrategy>(self) -> P {
-                    moved(<Autodiff<X, BalancedCheckpointing> as $ops<Autodiff<X, BalancedCheckpointing>>>::$name(
-                        $(recomputed_ops!(@arg $kind self.$arg)),*
-                    ))
+                    $(recomputed_ops!(@bind $kind $arg self.$arg);)*
+                    let inputs = [$(recomputed_ops!(@input $kind $arg)),*];
+                    moved(match chain_depth::<X>(inputs.into_iter().flatten()) {
+                        Some(depth) => {
+                            let out = <Autodiff<X, BalancedCheckpointing> as $ops<Autodiff<X, BalancedCheckpointing>>>::$name($($arg),*);
+                            record(&out, depth);
+                            out
+                        }
+                        None => <Autodiff<X, C> as $ops<Autodiff<X, C>>>::$name($($arg),*),
+                    })
                 }
             }
             match dispatch::<B, _>(Call { $($arg),* }) {
@@ -115,8 +183,10 @@ macro_rules! recomputed_ops {
         }
     )*
     };
-    (@arg t $value:expr) => { moved($value) };
-    (@arg a $value:expr) => { $value };
+    (@bind t $arg:ident $value:expr) => { let $arg: AutodiffTensor<X> = moved($value); };
+    (@bind a $arg:ident $value:expr) => { let $arg = $value; };
+    (@input t $arg:ident) => { Some(&$arg) };
+    (@input a $arg:ident) => { None };
 }
 
 recomputed_ops! {
@@ -219,11 +289,18 @@ fn normalized<B: Backend>(
     impl<P: 'static> Visit for Call<P> {
         type Out = P;
         fn visit<X: Backend, C: CheckpointStrategy>(self) -> P {
-            moved(normalized_node::<X>(
-                moved(self.tensor),
-                self.dim,
-                self.kind,
-            ))
+            let tensor: AutodiffTensor<X> = moved(self.tensor);
+            moved(match chain_depth::<X>([&tensor]) {
+                Some(depth) => {
+                    let out = normalized_node::<X>(tensor, self.dim, self.kind);
+                    record(&out, depth);
+                    out
+                }
+                None => match self.kind {
+                    Normalization::Softmax => Autodiff::<X, C>::softmax(tensor, self.dim),
+                    Normalization::LogSoftmax => Autodiff::<X, C>::log_softmax(tensor, self.dim),
+                },
+            })
         }
     }
     match dispatch::<B, _>(Call { tensor, dim, kind }) {

@@ -139,12 +139,14 @@ fn widens(from: DType, to: FloatDType) -> bool {
 /// asked for it alone, so that ops keeping its output keep a recipe, and its parent (the
 /// source) is kept in its place.
 fn upcast<X: Backend>(tensor: AutodiffTensor<X>, target: FloatDType) -> AutodiffTensor<X> {
-    if !tensor.is_tracked() {
-        // No graph: nothing is kept either way.
+    // No graph: nothing is kept either way. Past the longest chain of recomputed nodes (the
+    // source is one, at its end), a plain cast.
+    let depth = super::recompute::chain_depth::<X>([&tensor]);
+    let Some(depth) = depth.filter(|_| tensor.is_tracked()) else {
         return Autodiff::<X>::float_cast(tensor, target);
-    }
+    };
     let source = FloatDType::from(tensor.primitive.dtype());
-    match CastBackward
+    let out = match CastBackward
         .prepare::<BalancedCheckpointing>([tensor.node.clone()])
         .memory_bound()
         .retro_forward(RetroUpcast::<X> {
@@ -157,7 +159,9 @@ fn upcast<X: Backend>(tensor: AutodiffTensor<X>, target: FloatDType) -> Autodiff
     {
         OpsKind::Tracked(prep) => prep.finish(source, X::float_cast(tensor.primitive, target)),
         OpsKind::UnTracked(prep) => prep.finish(X::float_cast(tensor.primitive, target)),
-    }
+    };
+    super::recompute::record(&out, depth);
+    out
 }
 
 /// The cast again, in the backward, from the kept source.
