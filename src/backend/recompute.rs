@@ -240,6 +240,7 @@ enum Normalization {
 }
 
 impl Normalization {
+    /// On any backend: the inner one's kernel, or (on autodiff) Burn's composition.
     fn forward<X: Backend>(self, tensor: FloatTensor<X>, dim: usize) -> FloatTensor<X> {
         match self {
             Normalization::Softmax => X::softmax(tensor, dim),
@@ -274,12 +275,8 @@ fn normalized<B: Backend>(
     dim: usize,
     kind: Normalization,
 ) -> FloatTensor<B> {
-    let forward = |tensor| match kind {
-        Normalization::Softmax => B::softmax(tensor, dim),
-        Normalization::LogSoftmax => B::log_softmax(tensor, dim),
-    };
     if !active() {
-        return forward(tensor);
+        return kind.forward::<B>(tensor, dim);
     }
     struct Call<P> {
         tensor: P,
@@ -296,16 +293,13 @@ fn normalized<B: Backend>(
                     record(&out, depth);
                     out
                 }
-                None => match self.kind {
-                    Normalization::Softmax => Autodiff::<X, C>::softmax(tensor, self.dim),
-                    Normalization::LogSoftmax => Autodiff::<X, C>::log_softmax(tensor, self.dim),
-                },
+                None => self.kind.forward::<Autodiff<X, C>>(tensor, self.dim),
             })
         }
     }
     match dispatch::<B, _>(Call { tensor, dim, kind }) {
         Ok(out) => out,
-        Err(call) => forward(call.tensor),
+        Err(call) => kind.forward::<B>(call.tensor, dim),
     }
 }
 

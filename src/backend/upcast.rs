@@ -141,8 +141,11 @@ fn widens(from: DType, to: FloatDType) -> bool {
 fn upcast<X: Backend>(tensor: AutodiffTensor<X>, target: FloatDType) -> AutodiffTensor<X> {
     // No graph: nothing is kept either way. Past the longest chain of recomputed nodes (the
     // source is one, at its end), a plain cast.
-    let depth = super::recompute::chain_depth::<X>([&tensor]);
-    let Some(depth) = depth.filter(|_| tensor.is_tracked()) else {
+    let depth = match tensor.is_tracked() {
+        true => super::recompute::chain_depth::<X>([&tensor]),
+        false => None,
+    };
+    let Some(depth) = depth else {
         return Autodiff::<X>::float_cast(tensor, target);
     };
     let source = FloatDType::from(tensor.primitive.dtype());
