@@ -4,7 +4,8 @@
 //! the same. So on any graph every combination gives **bitwise** the loss and gradients of
 //! the others, under either strategy, but for one designed difference: recomputed outputs
 //! make softmax and log-softmax one node with the analytic backward, within half precision's
-//! tolerance of Burn's composition. And autocast at F32 gives bitwise plain autodiff's.
+//! tolerance of Burn's composition. So does the precision doctor's `detect_anomaly()`, which
+//! watches every op. And autocast at F32 gives bitwise plain autodiff's.
 //!
 //! The graphs are drawn from a seed (a failure prints it and the ops), over 44 ops of
 //! `[8, 8]` tensors: elementwise, reductions, shape ops, softmax, matmul, linear, conv1d,
@@ -519,6 +520,18 @@ fn savings_change_no_value<X: Backend>(
                 case.nodes
             );
         }
+
+        // The precision doctor watches every op (forward and backward) and changes none.
+        let anomaly = burn_amp::doctor::detect_anomaly();
+        let got = under::<X, NoCheckpointing>(&case, device, precision, Savings::ALL);
+        assert!(anomaly.ops_checked() > 0, "the doctor saw no op");
+        drop(anomaly);
+        assert_same(
+            &case,
+            &got,
+            &analytic,
+            "the precision doctor's detect_anomaly()",
+        );
 
         let f32 = under::<X, NoCheckpointing>(&case, device, Precision::F32, Savings::ALL);
         let plain = run::<Autodiff<X>>(&case, device);
