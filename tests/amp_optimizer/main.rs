@@ -7,7 +7,9 @@
 //! The installation is process-wide (one per backend type, like PyTorch's autocast state),
 //! so the tests of this binary take turns ([`serial`]).
 
+#[path = "../common/mod.rs"]
 mod common;
+mod random_schedules;
 
 use std::sync::{Arc, Mutex, MutexGuard};
 
