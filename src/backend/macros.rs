@@ -31,7 +31,7 @@ macro_rules! forward_primitive {
 /// costs one atomic load).
 macro_rules! autocast_ops {
     ($($(#[$attr:meta])* fn $name:ident($($arg:ident: $ty:ty),* $(,)?) $(-> $ret:ty)?
-        => [$($kind:ident $input:ident),* $(,)?] $($recomputed:ident)?;)*) => {$(
+        => [$($kind:ident $input:ident),* $(,)?] $(via $module:ident)?;)*) => {$(
         $(#[$attr])*
         #[inline(always)]
         fn $name($($arg: $ty),*) $(-> $ret)? {
@@ -64,7 +64,7 @@ macro_rules! autocast_ops {
             if let Some(probe) = probe.as_mut() {
                 $(autocast_input!(probe_cast $kind probe $input);)*
             }
-            let out = autocast_call!($($recomputed)? $name($($arg),*));
+            let out = autocast_call!($($module)? $name($($arg),*));
             if let Some(probe) = probe {
                 probe.finish(&out);
             }
@@ -73,14 +73,14 @@ macro_rules! autocast_ops {
     )*};
 }
 
-/// The op itself: `B`'s, or for an op marked `recomputed`, the one of
-/// [`recompute`](super::recompute) (whose output the backward recomputes).
+/// The op itself: `B`'s, or for an op marked `via module`, that module's (`recompute`: the
+/// backward recomputes its output; `workarounds`: a defect of Burn 0.21 avoided).
 macro_rules! autocast_call {
     ($name:ident($($arg:ident),*)) => {
         B::$name($($arg),*)
     };
-    (recomputed $name:ident($($arg:ident),*)) => {
-        $crate::backend::recompute::$name::<B>($($arg),*)
+    ($module:ident $name:ident($($arg:ident),*)) => {
+        $crate::backend::$module::$name::<B>($($arg),*)
     };
 }
 

@@ -18,6 +18,7 @@ mod ops;
 pub mod policy;
 pub mod recompute;
 pub mod upcast;
+mod workarounds;
 
 use core::marker::PhantomData;
 

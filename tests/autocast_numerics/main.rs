@@ -47,6 +47,7 @@ mod recompute;
 mod shared_casts;
 mod support;
 mod upcast;
+mod workarounds;
 
 use burn::tensor::Tensor;
 use burn::tensor::backend::Backend;

@@ -1,0 +1,67 @@
+//! Defects of Burn 0.21 that give wrong numbers, worked around where `Amp` runs the op. Each
+//! is measured in plain Burn and under `Amp` by `tests/autocast_numerics/workarounds.rs`,
+//! which also fails once a Burn fixes it (then the workaround can go).
+//!
+//! **A cat loses the gradients before it while another thread runs a backward.**
+//! burn-autodiff 0.21's `float_cat` lets go of its inputs' handles before it registers its
+//! own node. A backward that ends on another thread in that window frees the ops of every
+//! graph that no live tensor holds; after a first backward, an op on a parameter starts a
+//! new graph of intermediates only, and when the cat's inputs were its last live tensors, the
+//! op on the parameter is freed and the parameter gets no gradient at all: 888 of 20,000
+//! steps of `(w * x).tanh()` then a cat, with backwards running on a second thread (as
+//! burn-train trains one thread per device). `Amp` holds the inputs until the cat returns.
+//!
+//! **A value picked per row and broadcast by a fused op comes out wrong.** burn-cubecl-fusion
+//! 0.21 (the fusion of `Wgpu` and `Cuda`) fuses a `gather` or `select` into the elementwise
+//! kernel that consumes it. When the pick is along the last dimension and keeps one element
+//! there (`[n, 1]` from `[n, m]`: `scores.gather(1, targets)`, `x.select(1, [k])`) and the
+//! consumer broadcasts it against a wider last dimension (`scores - picked`), the kernel
+//! reads one index per vector lane instead of one per row: 48 of 64 values wrong for an 8×8
+//! gather on wgpu, 56 of 64 for a select (`CubeBackend` without fusion and `Flex` are right).
+//! `Amp` copies such a pick into a buffer of its own (a `cat` of the one tensor, which the
+//! fusion does not fuse), so the consumer reads it as any broadcast input; the copy holds one
+//! value per row. Exact, and applied on every backend (which ones fuse is not visible from a
+//! generic `B`; Flex's cat of one tensor is no copy). Not covered: such picks inside
+//! burn-autodiff's own backward ops, which `Amp` above autodiff does not see, and ints (the
+//! same pattern measured right).
+
+use burn_backend::Backend;
+use burn_backend::TensorMetadata;
+use burn_backend::tensor::{FloatTensor, IntTensor};
+
+/// `B`'s cat, its inputs held until it returns (see the module docs).
+pub(crate) fn float_cat<B: Backend>(tensors: Vec<FloatTensor<B>>, dim: usize) -> FloatTensor<B> {
+    let held = tensors.clone();
+    let out = B::float_cat(tensors, dim);
+    drop(held);
+    out
+}
+
+/// `B`'s gather, materialized when it picks one element along the last dimension.
+pub(crate) fn float_gather<B: Backend>(
+    dim: usize,
+    tensor: FloatTensor<B>,
+    indices: IntTensor<B>,
+) -> FloatTensor<B> {
+    materialized::<B>(B::float_gather(dim, tensor, indices), dim)
+}
+
+/// `B`'s select, materialized when it picks one element along the last dimension.
+pub(crate) fn float_select<B: Backend>(
+    tensor: FloatTensor<B>,
+    dim: usize,
+    indices: IntTensor<B>,
+) -> FloatTensor<B> {
+    materialized::<B>(B::float_select(tensor, dim, indices), dim)
+}
+
+/// `out` copied into a buffer of its own when it picks one element along the last dimension
+/// `dim` (through [`float_cat`], which holds it across the cat).
+fn materialized<B: Backend>(out: FloatTensor<B>, dim: usize) -> FloatTensor<B> {
+    let shape = out.shape();
+    if dim + 1 == shape.num_dims() && shape[dim] == 1 {
+        float_cat::<B>(vec![out], dim)
+    } else {
+        out
+    }
+}
