@@ -28,7 +28,7 @@
 //! loop) costs 2^length in the backward: unbounded, 32 such steps did not finish in 20 minutes.
 //! The benched models' chains are short (`SwiGlu`: 4, from the widening cast to the product).
 //! Softmax past it is the same node keeping its output: values never depend on a chain's
-//! length (the random-graph tests compare every setting bit for bit).
+//! length (the random-graph tests compare every setting bit for bit on Flex).
 //!
 //! This needs the concrete autodiff backend, as the [cast cache](super::cast_cache) does:
 //! `Autodiff<Flex | Wgpu | Cuda>`, either checkpointing. Other backends run their own ops.

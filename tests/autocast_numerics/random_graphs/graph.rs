@@ -1,41 +1,15 @@
-//! Random graphs through what autocast keeps for the backward. The weight-cast cache, the
-//! shared activation casts, the recomputed widening casts and the recomputed outputs each
-//! change where a saved value comes from, never a value; Burn's `BalancedCheckpointing` does
-//! the same. So on any graph every combination gives **bitwise** the loss and gradients of
-//! the others, under either strategy, but for one designed difference: recomputed outputs
-//! make softmax and log-softmax one node with the analytic backward, within half precision's
-//! tolerance of Burn's composition. So does the precision doctor's `detect_anomaly()`, which
-//! watches every op. And autocast at F32 gives bitwise plain autodiff's. (Bitwise on Flex; on
-//! wgpu within 1e-3, Burn's fusion not being bitwise reproducible run to run.)
-//!
-//! The graphs are drawn from a seed (a failure prints it and the ops), over 60 ops of
-//! `[8, 8]` tensors: elementwise, reductions, scans, sorting, shape ops, softmax, matmul,
-//! linear, conv1d, attention, embedding, gather, pooling, interpolation; chains, shared
-//! operands whose paths meet again, untracked constants, detached values, chains past
-//! `recompute::MAX_CHAIN`, two losses over one graph backpropagated one after the other, two
-//! forwards through the same parameters, intermediates dropped after their last use. On
-//! wgpu, the same graphs fused and unfused (`CubeBackend`) agree.
-//!
-//! Found here: softmax past `MAX_CHAIN` fell back to Burn's composition, whose forward
-//! rounds differently (a value depended on the chain's length; fixed); and defects of Burn
-//! 0.21 (the README lists them; `workarounds.rs` tests those `Amp` avoids).
+//! The random graphs: the ops they are drawn from, a case drawn from a seed, and a case run
+//! forward and backward on a backend.
 
-use burn::backend::autodiff::checkpoint::strategy::{
-    BalancedCheckpointing, CheckpointStrategy, NoCheckpointing,
-};
-use burn::backend::{Autodiff, Flex};
 use burn::tensor::activation::{gelu, log_sigmoid, log_softmax, relu, sigmoid, silu, softmax};
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::{Bool, Int, TensorData};
-use burn_amp::backend::{cast_cache, recompute, upcast};
-use burn_amp::{Amp, autocast};
 
-use super::common::Rng;
-use super::*;
+use super::super::common::Rng;
+use super::super::*;
 
-/// The ops a graph is drawn from; each maps `[N, N]` operands to `[N, N]`.
 #[derive(Debug, Clone, Copy)]
-enum Op {
+pub(super) enum Op {
     Matmul,
     Add,
     Sub,
@@ -166,24 +140,24 @@ const N: usize = 8;
 
 /// Leaves at the front of the pool: an input and two weights that require gradients, and an
 /// untracked constant.
-const LEAVES: usize = 4;
+pub(super) const LEAVES: usize = 4;
 
 #[derive(Debug, Clone, Copy)]
-struct Node {
-    op: Op,
+pub(super) struct Node {
+    pub(super) op: Op,
     a: usize,
     b: usize,
     dim: usize,
 }
 
 #[derive(Debug, Clone)]
-struct Case {
-    seed: u64,
-    nodes: Vec<Node>,
+pub(super) struct Case {
+    pub(super) seed: u64,
+    pub(super) nodes: Vec<Node>,
     /// The pool indices summed into the loss(es).
-    outputs: Vec<usize>,
+    pub(super) outputs: Vec<usize>,
     /// The outputs are split into two losses, backpropagated one after the other.
-    two_losses: bool,
+    pub(super) two_losses: bool,
     /// The graph is built twice from the same leaves (two forwards through the same
     /// parameters, as two micro-batches), then both are backpropagated.
     twice: bool,
@@ -193,7 +167,7 @@ struct Case {
 }
 
 impl Case {
-    fn draw(seed: u64, max_ops: usize) -> Self {
+    pub(super) fn draw(seed: u64, max_ops: usize) -> Self {
         let mut rng = Rng::new(seed);
         let len = 2 + rng.below(max_ops - 1);
         let mut nodes = Vec::with_capacity(len);
@@ -383,7 +357,7 @@ fn apply<B: Backend>(
 
 /// The case's loss(es) on `B`, backpropagated: every tracked leaf's gradient per loss (an
 /// empty `TensorData` where a leaf got none), and the loss values.
-fn run<B: AutodiffBackend>(case: &Case, device: &B::Device) -> Vec<TensorData> {
+pub(super) fn run<B: AutodiffBackend>(case: &Case, device: &B::Device) -> Vec<TensorData> {
     let leaf =
         |i: usize| Tensor::<B, 2>::from_data(TensorData::new(case.data[i].clone(), [N, N]), device);
     let tracked: Vec<_> = (0..LEAVES - 1).map(|i| leaf(i).require_grad()).collect();
@@ -461,278 +435,4 @@ fn run<B: AutodiffBackend>(case: &Case, device: &B::Device) -> Vec<TensorData> {
         }
     }
     results
-}
-
-/// Which of autocast's savings are on.
-#[derive(Debug, Clone, Copy)]
-struct Savings {
-    weight_casts: bool,
-    activation_casts: bool,
-    widening_recomputed: bool,
-    outputs_recomputed: bool,
-}
-
-impl Savings {
-    const ALL: Savings = Savings {
-        weight_casts: true,
-        activation_casts: true,
-        widening_recomputed: true,
-        outputs_recomputed: true,
-    };
-    const NONE: Savings = Savings {
-        weight_casts: false,
-        activation_casts: false,
-        widening_recomputed: false,
-        outputs_recomputed: false,
-    };
-
-    /// Runs `f` with these settings on this thread, then restores the previous ones.
-    fn with<T>(self, f: impl FnOnce() -> T) -> T {
-        let previous = (
-            cast_cache::set_enabled(self.weight_casts),
-            cast_cache::set_activations_enabled(self.activation_casts),
-            upcast::set_enabled(self.widening_recomputed),
-            recompute::set_enabled(self.outputs_recomputed),
-        );
-        let out = f();
-        cast_cache::set_enabled(previous.0);
-        cast_cache::set_activations_enabled(previous.1);
-        upcast::set_enabled(previous.2);
-        recompute::set_enabled(previous.3);
-        out
-    }
-}
-
-fn under<X: Backend, C: CheckpointStrategy>(
-    case: &Case,
-    device: &X::Device,
-    precision: Precision,
-    savings: Savings,
-) -> Vec<TensorData> {
-    let _g = autocast(precision);
-    savings.with(|| run::<Amp<Autodiff<X, C>>>(case, device))
-}
-
-/// Equal bit for bit, any NaN equal to any NaN.
-fn same_bits(a: &TensorData, b: &TensorData) -> bool {
-    let (a, b) = (a.to_vec::<f32>().unwrap(), b.to_vec::<f32>().unwrap());
-    a.len() == b.len()
-        && a.iter()
-            .zip(&b)
-            .all(|(x, y)| x.to_bits() == y.to_bits() || (x.is_nan() && y.is_nan()))
-}
-
-/// `got` is `want`: bit for bit where `exact`, else within 1e-3 relative L2 per result (a
-/// fusion backend: see `savings_change_no_value`).
-fn assert_same(case: &Case, got: &[TensorData], want: &[TensorData], what: &str, exact: bool) {
-    assert_eq!(got.len(), want.len());
-    for (i, (g, w)) in got.iter().zip(want).enumerate() {
-        let same = same_bits(g, w) || {
-            let (g, w) = (g.to_vec::<f32>().unwrap(), w.to_vec::<f32>().unwrap());
-            !exact && g.len() == w.len() && rel_l2(&g, &w) <= 1e-3
-        };
-        assert!(
-            same,
-            "random graph (seed {}): result {i} (loss, then a gradient per tracked leaf, per \
-             loss) differs with {what}\n  nodes: {:?}\n  outputs: {:?}, two losses: {}",
-            case.seed, case.nodes, case.outputs, case.two_losses
-        );
-    }
-}
-
-/// Every saving on and off, alone and together, under both checkpointing strategies: bitwise
-/// the same as the run that differs only in softmax's backward (recomputed outputs make
-/// softmax and log-softmax one node with the analytic backward, whose f32 rounding differs
-/// from Burn's composition), and that run within `softmax_tolerance` (relative L2) of it;
-/// then autocast at F32 against plain autodiff.
-fn savings_change_no_value<X: Backend>(
-    device: &X::Device,
-    precision: Precision,
-    cases: u64,
-    max_ops: usize,
-) {
-    // Bitwise on Flex. Burn's fusion (wgpu) is not bitwise reproducible here: in one CI run
-    // the same op stream gave a loss that differed (seed 17, not reproduced by hand), so
-    // there the results agree within 1e-3.
-    let exact = !core::any::type_name::<X>().contains("Fusion");
-    let only = |outputs_recomputed: bool| Savings {
-        outputs_recomputed,
-        ..Savings::NONE
-    };
-    let settings = [
-        ("everything", Savings::ALL),
-        (
-            "the weight-cast cache off",
-            Savings {
-                weight_casts: false,
-                ..Savings::ALL
-            },
-        ),
-        (
-            "shared activation casts off",
-            Savings {
-                activation_casts: false,
-                ..Savings::ALL
-            },
-        ),
-        (
-            "recomputed widening off",
-            Savings {
-                widening_recomputed: false,
-                ..Savings::ALL
-            },
-        ),
-        (
-            "recomputed outputs off",
-            Savings {
-                outputs_recomputed: false,
-                ..Savings::ALL
-            },
-        ),
-        ("nothing", Savings::NONE),
-    ];
-    for seed in 0..cases {
-        let case = Case::draw(seed, max_ops);
-        let composed = under::<X, NoCheckpointing>(&case, device, precision, only(false));
-        let analytic = under::<X, NoCheckpointing>(&case, device, precision, only(true));
-        for (what, savings) in settings {
-            let want = if savings.outputs_recomputed {
-                &analytic
-            } else {
-                &composed
-            };
-            let got = under::<X, NoCheckpointing>(&case, device, precision, savings);
-            assert_same(&case, &got, want, what, exact);
-            let got = under::<X, BalancedCheckpointing>(&case, device, precision, savings);
-            assert_same(
-                &case,
-                &got,
-                want,
-                &format!("{what}, Burn's BalancedCheckpointing"),
-                exact,
-            );
-        }
-        for (i, (a, c)) in analytic.iter().zip(&composed).enumerate() {
-            let err = rel_l2(&a.to_vec::<f32>().unwrap(), &c.to_vec::<f32>().unwrap());
-            assert!(
-                err <= softmax_tolerance(precision),
-                "random graph (seed {}): result {i} {err:.2e} from the composed softmax's\n  \
-                 nodes: {:?}",
-                case.seed,
-                case.nodes
-            );
-        }
-
-        // The precision doctor watches every op (forward and backward) and changes none.
-        let anomaly = burn_amp::doctor::detect_anomaly();
-        let got = under::<X, NoCheckpointing>(&case, device, precision, Savings::ALL);
-        assert!(anomaly.ops_checked() > 0, "the doctor saw no op");
-        drop(anomaly);
-        assert_same(
-            &case,
-            &got,
-            &analytic,
-            "the precision doctor's detect_anomaly()",
-            exact,
-        );
-
-        let f32 = under::<X, NoCheckpointing>(&case, device, Precision::F32, Savings::ALL);
-        // Plain autodiff over Burn 0.21's fusion gets a broadcast per-row pick wrong, which
-        // `Amp` works around (`workarounds.rs`): no reference there.
-        let fused = core::any::type_name::<X>().contains("Fusion");
-        if !(fused && case.nodes.iter().any(|n| matches!(n.op, Op::Argmax))) {
-            let plain = run::<Autodiff<X>>(&case, device);
-            assert_same(
-                &case,
-                &f32,
-                &plain,
-                "autocast at F32 against plain autodiff",
-                exact,
-            );
-        }
-    }
-}
-
-fn softmax_tolerance(precision: Precision) -> f32 {
-    if precision == Precision::Bf16 {
-        3e-2
-    } else {
-        5e-3
-    }
-}
-
-#[test]
-fn random_graphs_flex_f16() {
-    savings_change_no_value::<Flex>(&Default::default(), Precision::F16, 400, 24);
-}
-
-#[test]
-fn random_graphs_flex_bf16() {
-    savings_change_no_value::<Flex>(&Default::default(), Precision::Bf16, 400, 24);
-}
-
-/// Long graphs: chains past `recompute::MAX_CHAIN` whose paths meet.
-#[test]
-fn long_random_graphs_flex_bf16() {
-    savings_change_no_value::<Flex>(&Default::default(), Precision::Bf16, 80, 64);
-}
-
-#[test]
-fn random_graphs_wgpu_f16() {
-    if let Some(device) = common::wgpu_device() {
-        savings_change_no_value::<burn::backend::Wgpu>(&device, Precision::F16, 20, 24);
-    }
-}
-
-/// Burn's fusion against the same kernels unfused (`CubeBackend`), on wgpu, under autocast at
-/// F32 and at F16: the loss and gradients within 1e-4 (F32) or 2e-2 (F16) relative L2 (fusion
-/// may order a reduction differently). A fused kernel that reads a value wrong is caught here
-/// (the per-row pick of `workarounds.rs` was, as a difference with the precision doctor on,
-/// whose reads split the fusion). Burn 0.21's fusion also panics in its code generation on
-/// some graphs (`w.swap_dims(0, 1).tanh().prod_dim(0)`, backpropagated, seed 168 here): the
-/// seeds run stop short of it.
-#[test]
-fn random_graphs_fused_and_unfused_agree_on_wgpu() {
-    type Unfused =
-        burn::backend::wgpu::CubeBackend<burn::backend::wgpu::WgpuRuntime, f32, i32, u32>;
-    let Some(device) = common::wgpu_device() else {
-        return;
-    };
-    for seed in 0..40 {
-        let case = Case::draw(seed, 24);
-        for (precision, tolerance) in [(Precision::F32, 1e-4), (Precision::F16, 2e-2)] {
-            let run = |fused: bool| match fused {
-                true => under::<burn::backend::Wgpu, NoCheckpointing>(
-                    &case,
-                    &device,
-                    precision,
-                    Savings::ALL,
-                ),
-                false => under::<Unfused, NoCheckpointing>(&case, &device, precision, Savings::ALL),
-            };
-            let (fused, unfused) = (run(true), run(false));
-            for (i, (a, b)) in fused.iter().zip(&unfused).enumerate() {
-                let (a, b) = (a.to_vec::<f32>().unwrap(), b.to_vec::<f32>().unwrap());
-                let finite = |v: &[f32]| v.iter().all(|x| x.is_finite());
-                match (finite(&a), finite(&b)) {
-                    (true, true) => {}
-                    (false, false) => continue, // an inf or NaN of the graph itself
-                    // At F16 an overflow may tip either way; at F32 one side is wrong.
-                    _ if precision == Precision::F16 => continue,
-                    (fused_finite, _) => panic!(
-                        "random graph (seed {seed}): result {i} finite fused {fused_finite}, \
-                         unfused {}\n  nodes: {:?}",
-                        !fused_finite, case.nodes
-                    ),
-                }
-                let err = rel_l2(&a, &b);
-                assert!(
-                    err <= tolerance,
-                    "random graph (seed {seed}) at {precision:?}: result {i} fused is {err:.2e} \
-                     from unfused\n  nodes: {:?}",
-                    case.nodes
-                );
-            }
-        }
-    }
 }
