@@ -42,6 +42,7 @@ mod cast_cache;
 mod deform_conv;
 mod pooling;
 mod probabilities;
+mod products;
 mod random_graphs;
 mod recompute;
 mod shared_casts;

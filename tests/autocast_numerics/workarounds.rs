@@ -1,4 +1,4 @@
-//! Defects of Burn 0.21 that `Amp` works around (`src/backend/workarounds.rs`), each
+//! Defects of Burn 0.21 that `Amp` works around (`src/backend/workarounds/`), each
 //! measured in plain Burn beside `Amp`, so that a Burn that fixes one says so here (the
 //! workaround can then go):
 //!
@@ -7,6 +7,8 @@
 //!   `Amp<Wgpu>` against Flex's;
 //! - a cat while another thread runs a backward: the parameters before it lose their
 //!   gradient now and then; under `Amp`, never.
+//!
+//! Products (`exp(sum(log x))` under burn-autodiff) are `products.rs`'s.
 
 use burn::backend::{Autodiff, Flex, Wgpu};
 use burn::tensor::{Int, TensorData};

@@ -1,6 +1,6 @@
 //! Defects of Burn 0.21 that give wrong numbers, worked around where `Amp` runs the op. Each
-//! is measured in plain Burn and under `Amp` by `tests/autocast_numerics/workarounds.rs`,
-//! which also fails once a Burn fixes it (then the workaround can go).
+//! is measured in plain Burn and under `Amp` by `tests/autocast_numerics/workarounds.rs` (and
+//! `products.rs`), which fail once a Burn fixes it (then the workaround can go).
 //!
 //! **A cat loses the gradients before it while another thread runs a backward.**
 //! burn-autodiff 0.21's `float_cat` lets go of its inputs' handles before it registers its
@@ -24,6 +24,15 @@
 //! generic `B`; Flex's cat of one tensor is no copy). Not covered: such picks inside
 //! burn-autodiff's own backward ops, which `Amp` above autodiff does not see, and ints (the
 //! same pattern measured right).
+//!
+//! **Products are `exp(sum(log x))`, and their gradients NaN at a zero.** burn-autodiff 0.21
+//! keeps the trait's default `prod` and `prod_dim` (NaN for a negative factor) and divides by
+//! the input in `cumprod`'s backward. `Amp` builds each as one node of its own
+//! ([`products`]): the kernel's product, and a backward right at zeros.
+
+mod products;
+
+pub(crate) use products::{float_cumprod, float_prod, float_prod_dim};
 
 use burn_backend::Backend;
 use burn_backend::TensorMetadata;
