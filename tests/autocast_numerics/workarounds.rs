@@ -7,6 +7,8 @@
 //!   `Amp<Wgpu>` against Flex's;
 //! - a cat while another thread runs a backward: the parameters before it lose their
 //!   gradient now and then; under `Amp`, never.
+//! - a sum or mean along dimension 0 of a transposed view on Flex: wrong in plain Flex (or a
+//!   panic, flipped); under `Amp`, the packed tensor's.
 //!
 //! Products (`exp(sum(log x))` under burn-autodiff) are `products.rs`'s.
 
@@ -195,5 +197,97 @@ fn a_cat_keeps_its_gradients_while_another_thread_runs_backwards() {
         plain_lost > 0,
         "plain autodiff kept every gradient in {steps} steps: fixed in Burn, or the race \
          did not show on this machine"
+    );
+}
+
+/// Sums and means along dimension 0 of transposed Flex views, under `Amp` (with and without
+/// autodiff, at F32 and F16): those of the packed tensor, values and gradients. Plain Flex
+/// sums `x.narrow(1, 1, 4).swap_dims(0, 1)` wrong, and panics on a flipped one.
+#[test]
+fn sums_of_transposed_views_are_right_on_flex() {
+    type View<B> = fn(Tensor<B, 2>) -> Tensor<B, 2>;
+    fn views<B: Backend>() -> [(&'static str, View<B>); 3] {
+        [
+            ("narrow, swap_dims", |x| x.narrow(1, 1, 4).swap_dims(0, 1)),
+            ("swap_dims, flip", |x| x.swap_dims(0, 1).flip([1])),
+            ("narrow, swap_dims, flip", |x| {
+                x.narrow(1, 2, 5).swap_dims(0, 1).flip([1])
+            }),
+        ]
+    }
+    fn reduced<B: Backend>(x: Tensor<B, 2>, mean: bool) -> Vec<f32> {
+        let out = if mean { x.mean_dim(0) } else { x.sum_dim(0) };
+        values_of(out.reshape([-1]))
+    }
+    let device = Default::default();
+    let v: Vec<f32> = (0..48)
+        .map(|i| on_grid(((i * 7 % 13) as f32 - 6.0) * 0.25))
+        .collect();
+    let base = |d: &_| Tensor::<Flex, 2>::from_data(TensorData::new(v.clone(), [6, 8]), d);
+    for (i, (name, _)) in views::<Flex>().into_iter().enumerate() {
+        for mean in [false, true] {
+            let what = format!(
+                "{} of {name}",
+                if mean { "mean_dim(0)" } else { "sum_dim(0)" }
+            );
+            // The packed view: the reference.
+            let packed = views::<Flex>()[i].1(base(&device));
+            let packed = Tensor::<Flex, 2>::from_data(packed.into_data(), &device);
+            let want = reduced(packed, mean);
+            for precision in [Precision::F32, Precision::F16] {
+                let _g = autocast(precision);
+                let x = Tensor::<Amp<Flex>, 2>::from_data(base(&device).into_data(), &device);
+                assert_eq!(
+                    reduced(views::<Amp<Flex>>()[i].1(x), mean),
+                    want,
+                    "{what}, Amp<Flex>"
+                );
+                type Ad = Amp<Autodiff<Flex>>;
+                let x =
+                    Tensor::<Ad, 2>::from_data(base(&device).into_data(), &device).require_grad();
+                let out = views::<Ad>()[i].1(x.clone());
+                let out = if mean {
+                    out.mean_dim(0)
+                } else {
+                    out.sum_dim(0)
+                };
+                assert_eq!(
+                    values_of(out.clone().reshape([-1])),
+                    want,
+                    "{what}, {precision:?}"
+                );
+                // Every element of the view gets the weight of its column (1, or 1/rows).
+                let g = values_of(x.grad(&out.sum().backward()).unwrap().reshape([-1]));
+                let used: usize = g.iter().filter(|&&g| g != 0.0).count();
+                let weight = if mean {
+                    1.0 / packed_rows(i) as f32
+                } else {
+                    1.0
+                };
+                assert!(
+                    g.iter().all(|&g| g == 0.0 || g == weight),
+                    "{what}: gradient {g:?}"
+                );
+                assert_eq!(
+                    used,
+                    packed_rows(i) * packed_cols(i),
+                    "{what}: gradient {g:?}"
+                );
+            }
+        }
+    }
+    fn packed_rows(i: usize) -> usize {
+        [4, 8, 5][i]
+    }
+    fn packed_cols(_: usize) -> usize {
+        6
+    }
+    // Burn 0.21's defect, which `Amp` works around: fixed in a later Burn, this fails.
+    let plain: View<Flex> = views::<Flex>()[0].1;
+    let packed = Tensor::<Flex, 2>::from_data(plain(base(&device)).into_data(), &device);
+    assert_ne!(
+        reduced(plain(base(&device)), false),
+        reduced(packed, false),
+        "plain Flex sums a transposed view right now: the defect is fixed"
     );
 }

@@ -70,11 +70,11 @@ impl<B: Backend> FloatTensorOps<Self> for Amp<B> {
         fn float_set_require_grad(tensor: FloatTensor<Self>, require_grad: bool) -> FloatTensor<Self> => [t tensor];
         fn float_is_require_grad(tensor: &FloatTensor<Self>) -> bool => [];
         fn float_sum(tensor: FloatTensor<Self>) -> FloatTensor<Self> => [t tensor];
-        fn float_sum_dim(tensor: FloatTensor<Self>, dim: usize) -> FloatTensor<Self> => [t tensor];
+        fn float_sum_dim(tensor: FloatTensor<Self>, dim: usize) -> FloatTensor<Self> => [t tensor] via workarounds;
         fn float_prod(tensor: FloatTensor<Self>) -> FloatTensor<Self> => [t tensor] via workarounds;
         fn float_prod_dim(tensor: FloatTensor<Self>, dim: usize) -> FloatTensor<Self> => [t tensor] via workarounds;
         fn float_mean(tensor: FloatTensor<Self>) -> FloatTensor<Self> => [t tensor];
-        fn float_mean_dim(tensor: FloatTensor<Self>, dim: usize) -> FloatTensor<Self> => [t tensor];
+        fn float_mean_dim(tensor: FloatTensor<Self>, dim: usize) -> FloatTensor<Self> => [t tensor] via workarounds;
         fn float_cumsum(tensor: FloatTensor<Self>, dim: usize) -> FloatTensor<Self> => [t tensor];
         fn float_cumprod(tensor: FloatTensor<Self>, dim: usize) -> FloatTensor<Self> => [t tensor] via workarounds;
         fn float_cummin(tensor: FloatTensor<Self>, dim: usize) -> FloatTensor<Self> => [t tensor];

@@ -29,9 +29,14 @@
 //! keeps the trait's default `prod` and `prod_dim` (NaN for a negative factor) and divides by
 //! the input in `cumprod`'s backward. `Amp` builds each as one node of its own
 //! ([`products`]): the kernel's product, and a backward right at zeros.
+//!
+//! **Flex sums a transposed view's rows as if they were packed** ([`flex_views`]): wrong
+//! `sum_dim` and `mean_dim` in f32, or a panic. `Amp` packs such a view first.
 
+mod flex_views;
 mod products;
 
+pub(crate) use flex_views::{float_mean_dim, float_sum_dim};
 pub(crate) use products::{float_cumprod, float_prod, float_prod_dim};
 
 use burn_backend::Backend;
