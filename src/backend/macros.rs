@@ -49,12 +49,14 @@ macro_rules! autocast_ops {
             if let Some(probe) = probe.as_mut() {
                 $(autocast_input!(probe $kind probe $input);)*
                 if probe.wants_shadow(target) {
-                    // The same op in f32 on the same inputs: what it loses in half precision.
+                    // The same op in f32 on the same inputs: what it loses in half precision
+                    // (through the same module as the op itself: a workaround's defect must
+                    // not show as a precision loss).
                     #[allow(unused_variables, clippy::clone_on_copy, clippy::redundant_clone, noop_method_call)]
                     let shadow = {
                         $(let $arg = ::core::clone::Clone::clone(&$arg);)*
                         $(let $input = autocast_input!(shadow $kind $input);)*
-                        B::$name($($arg),*)
+                        autocast_call!($($module)? $name($($arg),*))
                     };
                     probe.shadow(&shadow);
                 }
