@@ -40,9 +40,7 @@ fn packed<B: Backend>(tensor: FloatTensor<B>) -> FloatTensor<B> {
     }
     if ty == TypeId::of::<AutodiffTensor<burn::backend::Flex>>() {
         let mut t: AutodiffTensor<burn::backend::Flex> = moved(tensor);
-        if !t.primitive.is_contiguous() {
-            t.primitive = pack(t.primitive);
-        }
+        t.primitive = pack(t.primitive);
         return moved(t);
     }
     tensor

@@ -21,7 +21,7 @@ use burn::backend::autodiff::checkpoint::base::Checkpointer;
 use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
 use burn::backend::autodiff::grads::Gradients;
 use burn::backend::autodiff::ops::{Backward, Ops, OpsKind, unary};
-use burn_backend::tensor::{BoolTensor, FloatTensor};
+use burn_backend::tensor::FloatTensor;
 use burn_backend::{Backend, Scalar, TensorMetadata, get_device_settings};
 use burn_std::{FloatDType, Shape, Slice};
 
@@ -161,14 +161,12 @@ fn cumprod_backward<X: Backend>(
     let bools = get_device_settings::<X>(&device).bool_dtype;
     let dtype = FloatDType::from(x.dtype());
     let is_zero = X::float_equal_elem(x.clone(), Scalar::Float(0.0), bools);
-    let zeros_through = X::float_cumsum(X::bool_into_float(is_zero.clone(), dtype), dim);
-    let zeros_before = X::float_sub(
-        zeros_through.clone(),
-        X::bool_into_float(is_zero.clone(), dtype),
-    );
+    let zero_count = X::bool_into_float(is_zero.clone(), dtype);
+    let zeros_through = X::float_cumsum(zero_count.clone(), dim);
+    let zeros_before = X::float_sub(zeros_through.clone(), zero_count);
     let no_zero_through = X::float_equal_elem(zeros_through, Scalar::Float(0.0), bools);
     let no_zero_before = X::float_equal_elem(zeros_before, Scalar::Float(0.0), bools);
-    let first_zero: BoolTensor<X> = X::bool_and(is_zero.clone(), no_zero_before.clone());
+    let first_zero = X::bool_and(is_zero.clone(), no_zero_before.clone());
 
     // Before the first zero: Σ_{j≥i} g_j y_j / x_i (terms past the zero are 0 in y too).
     let y = X::float_cumprod(x.clone(), dim);
