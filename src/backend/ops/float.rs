@@ -39,9 +39,9 @@ impl<B: Backend> FloatTensorOps<Self> for Amp<B> {
         fn float_cross(lhs: FloatTensor<Self>, rhs: FloatTensor<Self>, dim: usize) -> FloatTensor<Self> => [t lhs, t rhs];
         fn float_neg(tensor: FloatTensor<Self>) -> FloatTensor<Self> => [t tensor];
         fn float_recip(tensor: FloatTensor<Self>) -> FloatTensor<Self> => [t tensor] via recompute;
-        fn float_transpose(tensor: FloatTensor<Self>) -> FloatTensor<Self> => [t tensor];
-        fn float_swap_dims(tensor: FloatTensor<Self>, dim1: usize, dim2: usize) -> FloatTensor<Self> => [t tensor];
-        fn float_permute(tensor: FloatTensor<Self>, axes: &[usize]) -> FloatTensor<Self> => [t tensor];
+        fn float_transpose(tensor: FloatTensor<Self>) -> FloatTensor<Self> => [t tensor] via workarounds;
+        fn float_swap_dims(tensor: FloatTensor<Self>, dim1: usize, dim2: usize) -> FloatTensor<Self> => [t tensor] via workarounds;
+        fn float_permute(tensor: FloatTensor<Self>, axes: &[usize]) -> FloatTensor<Self> => [t tensor] via workarounds;
         fn float_flip(tensor: FloatTensor<Self>, axes: &[usize]) -> FloatTensor<Self> => [t tensor];
         fn float_reshape(tensor: FloatTensor<Self>, shape: Shape) -> FloatTensor<Self> => [t tensor];
         fn float_gather(dim: usize, tensor: FloatTensor<Self>, indices: IntTensor<Self>) -> FloatTensor<Self> => [t tensor] via workarounds;

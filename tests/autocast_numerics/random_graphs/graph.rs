@@ -8,7 +8,7 @@ use burn::tensor::{Bool, Int, TensorData};
 use super::super::common::Rng;
 use super::super::*;
 
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum Op {
     Matmul,
     Add,
@@ -70,9 +70,10 @@ pub(super) enum Op {
     Argmax,
     Sorted,
     Floor,
+    TransposedBiasCat,
 }
 
-const OPS: [Op; 60] = [
+const OPS: [Op; 61] = [
     Op::Matmul,
     Op::Add,
     Op::Sub,
@@ -133,6 +134,7 @@ const OPS: [Op; 60] = [
     Op::Argmax,
     Op::Sorted,
     Op::Floor,
+    Op::TransposedBiasCat,
 ];
 
 /// Side of every tensor.
@@ -156,7 +158,7 @@ pub(super) struct Case {
     pub(super) nodes: Vec<Node>,
     /// The pool indices summed into the loss(es).
     pub(super) outputs: Vec<usize>,
-    /// The outputs are split into two losses, backpropagated one after the other.
+    /// The outputs are split into two losses (their sum backpropagated).
     pub(super) two_losses: bool,
     /// The graph is built twice from the same leaves (two forwards through the same
     /// parameters, as two micro-batches), then both are backpropagated.
@@ -167,6 +169,11 @@ pub(super) struct Case {
 }
 
 impl Case {
+    /// Whether any node of the graph is one of `ops`.
+    pub(super) fn has(&self, ops: &[Op]) -> bool {
+        self.nodes.iter().any(|n| ops.contains(&n.op))
+    }
+
     pub(super) fn draw(seed: u64, max_ops: usize) -> Self {
         let mut rng = Rng::new(seed);
         let len = 2 + rng.below(max_ops - 1);
@@ -269,6 +276,12 @@ fn apply<B: Backend>(
         Op::Relu => relu(a),
         Op::Clamp => a.clamp(-1.0, 1.0),
         Op::CatOfHalves => Tensor::cat(vec![a.slice([0..h, 0..N]), b.slice([h..N, 0..N])], 0),
+        // A row broadcast, transposed, then half of a cat: its backward sums a gradient that is
+        // a narrowed, transposed view (wrong on plain Flex).
+        Op::TransposedBiasCat => {
+            let biased = a.clone().slice([0..h, 0..N]) + b.slice([0..1, 0..N]);
+            Tensor::cat(vec![biased.swap_dims(0, 1), a.slice([0..N, h..N])], 1)
+        }
         Op::Reshaped => a.reshape([N * N]).mul_scalar(0.5).reshape([N, N]),
         Op::DetachedTimes => a.detach() * b.tanh(),
         Op::TimesConstant => a * constant,
@@ -355,8 +368,8 @@ fn apply<B: Backend>(
     }
 }
 
-/// The case's loss(es) on `B`, backpropagated: every tracked leaf's gradient per loss (an
-/// empty `TensorData` where a leaf got none), and the loss values.
+/// The case's loss values on `B`, each forward's then backpropagated: every tracked leaf's
+/// gradient per forward (an empty `TensorData` where a leaf got none).
 pub(super) fn run<B: AutodiffBackend>(case: &Case, device: &B::Device) -> Vec<TensorData> {
     let leaf =
         |i: usize| Tensor::<B, 2>::from_data(TensorData::new(case.data[i].clone(), [N, N]), device);
@@ -408,25 +421,30 @@ pub(super) fn run<B: AutodiffBackend>(case: &Case, device: &B::Device) -> Vec<Te
             .reduce(|a, b| a + b)
             .expect("an output")
     };
-    let mut losses = if case.two_losses {
-        vec![
+    // The losses of each forward. Two losses over one graph are backpropagated as their sum:
+    // burn-autodiff frees a graph's nodes in its backward (there is no `retain_graph`), so a
+    // second backward through shared nodes panics, in plain Burn as under `Amp`.
+    let mut forwards = if case.two_losses {
+        vec![vec![
             loss(&pool, &case.outputs[..1]),
             loss(&pool, &case.outputs[1..]),
-        ]
+        ]]
     } else {
-        vec![loss(&pool, &case.outputs)]
+        vec![vec![loss(&pool, &case.outputs)]]
     };
     if let Some(second) = second {
-        losses.push(loss(&second, &case.outputs));
+        forwards.push(vec![loss(&second, &case.outputs)]);
     }
     drop(pool);
     let mut results = Vec::new();
-    for loss in losses {
-        results.push(loss.clone().cast(DType::F32).into_data());
-        if !loss.is_require_grad() {
-            continue; // built from constants and detached values alone
+    for losses in forwards {
+        for loss in &losses {
+            results.push(loss.clone().cast(DType::F32).into_data());
         }
-        let grads = loss.backward();
+        let total = losses.into_iter().reduce(|a, b| a + b).expect("a loss");
+        // Built from constants and detached values alone, a loss has no graph: every leaf's
+        // gradient is then `None`, as it is for a leaf the loss does not depend on.
+        let grads = total.backward();
         for t in &tracked {
             results.push(match t.grad(&grads) {
                 Some(g) => g.cast(DType::F32).into_data(),

@@ -1,25 +1,30 @@
 //! Random graphs through what autocast keeps for the backward. The weight-cast cache, the
 //! shared activation casts, the recomputed widening casts and the recomputed outputs each
 //! change where a saved value comes from, never a value; Burn's `BalancedCheckpointing` does
-//! the same. So on any graph every combination gives **bitwise** the loss and gradients of
-//! the others, under either strategy, but for one designed difference: recomputed outputs
-//! make softmax and log-softmax one node with the analytic backward, within half precision's
-//! tolerance of Burn's composition. So does the precision doctor's `detect_anomaly()`, which
-//! watches every op. And autocast at F32 gives bitwise plain autodiff's. (Bitwise on Flex; on
-//! wgpu within 1e-3, Burn's fusion not being bitwise reproducible run to run.)
+//! the same. So on any graph every combination gives **bitwise** the loss values and every
+//! tracked leaf's gradient of the others (on Flex; on wgpu within 1e-3, Burn's fusion not
+//! being bitwise reproducible run to run), under either strategy, but for one designed
+//! difference: recomputed outputs make softmax and log-softmax one node with the analytic
+//! backward, within half precision's tolerance of Burn's composition. So does the precision
+//! doctor's `detect_anomaly()`, which watches every op. Autocast at F32 gives plain
+//! autodiff's within 1e-5 (`Amp`'s own nodes change the order in which autodiff adds
+//! gradients).
 //!
-//! The graphs are drawn from a seed (a failure prints it and the ops), over 60 ops of
+//! The graphs are drawn from a seed (a failure prints it and the ops), over 61 ops of
 //! `[8, 8]` tensors: elementwise, reductions, scans, sorting, shape ops, softmax, matmul,
 //! linear, conv1d, attention, embedding, gather, pooling, interpolation; chains, shared
 //! operands whose paths meet again, untracked constants, detached values, chains past
-//! `recompute::MAX_CHAIN`, two losses over one graph backpropagated one after the other, two
+//! `recompute::MAX_CHAIN`, two losses over one graph (their sum backpropagated), two
 //! forwards through the same parameters, intermediates dropped after their last use. On
 //! wgpu, the same graphs fused and unfused (`CubeBackend`) agree; and Flex agrees with
 //! unfused wgpu, two implementations of every op.
 //!
 //! Found here: softmax past `MAX_CHAIN` fell back to Burn's composition, whose forward
 //! rounds differently (a value depended on the chain's length; fixed); and defects of Burn
-//! 0.21 (the README lists them; `workarounds.rs` and `products.rs` test those `Amp` avoids).
+//! 0.21 (the README lists them; `workarounds.rs` and `products.rs` test those `Amp` avoids):
+//! among them, once gradients were compared (until 2026-12-02 a check skipped every
+//! backward), Flex's wrong gradient for a bias added before a transposition and a cat, and
+//! the CubeCL backends' missing backward of bilinear interpolation (a panic).
 
 mod graph;
 
@@ -96,16 +101,22 @@ fn same_bits(a: &TensorData, b: &TensorData) -> bool {
 /// `got` is `want`: bit for bit where `exact`, else within 1e-3 relative L2 per result (a
 /// fusion backend: see `savings_change_no_value`).
 fn assert_same(case: &Case, got: &[TensorData], want: &[TensorData], what: &str, exact: bool) {
+    assert_within(case, got, want, what, if exact { 0.0 } else { 1e-3 });
+}
+
+/// `got` is `want` within `tolerance` relative L2 per result (0: bit for bit).
+fn assert_within(case: &Case, got: &[TensorData], want: &[TensorData], what: &str, tolerance: f32) {
     assert_eq!(got.len(), want.len());
     for (i, (g, w)) in got.iter().zip(want).enumerate() {
         let same = same_bits(g, w) || {
             let (g, w) = (g.to_vec::<f32>().unwrap(), w.to_vec::<f32>().unwrap());
-            !exact && g.len() == w.len() && rel_l2(&g, &w) <= 1e-3
+            g.len() == w.len() && rel_l2(&g, &w) <= tolerance
         };
         assert!(
             same,
-            "random graph (seed {}): result {i} (loss, then a gradient per tracked leaf, per \
-             loss) differs with {what}\n  nodes: {:?}\n  outputs: {:?}, two losses: {}",
+            "random graph (seed {}): result {i} (the loss values, then a gradient per tracked \
+             leaf, per forward) differs with {what}\n  nodes: {:?}\n  outputs: {:?}, two \
+             losses: {}",
             case.seed, case.nodes, case.outputs, case.two_losses
         );
     }
@@ -164,6 +175,9 @@ fn savings_change_no_value<X: Backend>(
     ];
     for seed in 0..cases {
         let case = Case::draw(seed, max_ops);
+        if !runs_on::<X>(&case) {
+            continue;
+        }
         let composed = under::<X, NoCheckpointing>(&case, device, precision, only(false));
         let analytic = under::<X, NoCheckpointing>(&case, device, precision, only(true));
         for (what, savings) in settings {
@@ -208,23 +222,38 @@ fn savings_change_no_value<X: Backend>(
         );
 
         let f32 = under::<X, NoCheckpointing>(&case, device, Precision::F32, Savings::ALL);
-        // Plain autodiff over Burn 0.21's fusion gets a broadcast per-row pick wrong, which
-        // `Amp` works around (`workarounds.rs`): no reference there.
-        let fused = core::any::type_name::<X>().contains("Fusion");
-        if !(fused && case.nodes.iter().any(|n| matches!(n.op, Op::Argmax))) {
-            // `Amp`'s products are the kernel's (`products.rs`), plain autodiff's
-            // `exp(sum(log x))`: a few ulps apart on these positive factors.
-            let products = case.nodes.iter().any(|n| matches!(n.op, Op::ProdDim));
+        // Plain autodiff gets two patterns wrong that `Amp` works around (`workarounds.rs`):
+        // over Burn 0.21's fusion, a broadcast per-row pick; on Flex, a bias's gradient summed
+        // from a transposed view. No reference there.
+        let backend = core::any::type_name::<X>();
+        let plain_wrong = |op: Op| match op {
+            Op::Argmax => backend.contains("Fusion"),
+            Op::TransposedBiasCat => backend.contains("Flex"),
+            _ => false,
+        };
+        if !case.nodes.iter().any(|n| plain_wrong(n.op)) {
+            // Autodiff adds the gradients that reach a value in its graph's order, which
+            // `Amp`'s own nodes (a product, a copied pick) change; `Amp`'s products are the
+            // kernel's (`products.rs`), plain autodiff's `exp(sum(log x))`. So within 1e-5
+            // relative L2 (seed 296: 6.5e-9, gradients added in another order).
             let plain = run::<Autodiff<X>>(&case, device);
-            assert_same(
+            let tolerance = if exact { 1e-5 } else { 1e-3 };
+            assert_within(
                 &case,
                 &f32,
                 &plain,
                 "autocast at F32 against plain autodiff",
-                exact && !products,
+                tolerance,
             );
         }
     }
+}
+
+/// Whether `case` runs on `X`: Burn 0.21's CubeCL backends (wgpu, CUDA) have no backward
+/// for bilinear interpolation (it panics, "not supported by JIT backend"), so graphs with one
+/// run on Flex only.
+fn runs_on<X: Backend>(case: &Case) -> bool {
+    !(core::any::type_name::<X>().contains("CubeBackend") && case.has(&[Op::Interpolate]))
 }
 
 fn softmax_tolerance(precision: Precision) -> f32 {
@@ -310,6 +339,9 @@ fn random_graphs_fused_and_unfused_agree_on_wgpu() {
     };
     for seed in 0..170 {
         let case = Case::draw(seed, 24);
+        if !runs_on::<Unfused>(&case) {
+            continue;
+        }
         for (precision, tolerance) in [(Precision::F32, 1e-4), (Precision::F16, 2e-2)] {
             let fused = under::<burn::backend::Wgpu, NoCheckpointing>(
                 &case,
@@ -339,8 +371,9 @@ fn random_graphs_fused_and_unfused_agree_on_wgpu() {
 /// By hand, seeds 0..4000 passed. (At F16 two backends round differently, and a loss that
 /// cancels amplifies it: seed 408, a matmul then `tanh`, is 3% either side of its f32 value
 /// on the two. Their f16 kernels are held to f32 references by the policy suite.) Graphs with
-/// a step (`floor`, `argmax`) are left out: a last-bit difference before one moves a value
-/// across it (seed 1470: a matmul, then `floor`).
+/// a step (`floor`, `argmax`, and `remainder`, whose gradient holds `floor(a / b)`) are left
+/// out: a last-bit difference before one moves a value across it (seed 1470: a matmul, then
+/// `floor`; seed 0's gradient, through a remainder).
 #[test]
 fn random_graphs_flex_and_wgpu_agree() {
     let Some(device) = common::wgpu_device() else {
@@ -348,11 +381,7 @@ fn random_graphs_flex_and_wgpu_agree() {
     };
     for seed in 0..250 {
         let case = Case::draw(seed, 24);
-        if case
-            .nodes
-            .iter()
-            .any(|n| matches!(n.op, Op::Floor | Op::Argmax))
-        {
+        if !runs_on::<Unfused>(&case) || case.has(&[Op::Floor, Op::Argmax, Op::Remainder]) {
             continue;
         }
         let precision = Precision::F32;
