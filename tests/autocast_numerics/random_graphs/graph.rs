@@ -169,6 +169,22 @@ pub(super) struct Case {
 }
 
 impl Case {
+    /// The same graph on inputs moved by `relative` (up and down in turn): how much a
+    /// last-bit difference moves the results says how much two backends may differ.
+    pub(super) fn perturbed(&self, relative: f32) -> Case {
+        let mut case = self.clone();
+        for leaf in &mut case.data {
+            for (i, v) in leaf.iter_mut().enumerate() {
+                *v *= if i % 2 == 0 {
+                    1.0 + relative
+                } else {
+                    1.0 - relative
+                };
+            }
+        }
+        case
+    }
+
     /// Whether any node of the graph is one of `ops`.
     pub(super) fn has(&self, ops: &[Op]) -> bool {
         self.nodes.iter().any(|n| ops.contains(&n.op))

@@ -233,11 +233,12 @@ fn savings_change_no_value<X: Backend>(
         };
         if !case.nodes.iter().any(|n| plain_wrong(n.op)) {
             // Autodiff adds the gradients that reach a value in its graph's order, which
-            // `Amp`'s own nodes (a product, a copied pick) change; `Amp`'s products are the
-            // kernel's (`products.rs`), plain autodiff's `exp(sum(log x))`. So within 1e-5
-            // relative L2 (seed 296: 6.5e-9, gradients added in another order).
+            // `Amp`'s own nodes (a product, a copied pick) change: within 1e-5 relative L2
+            // (seed 296: 6.5e-9). `Amp`'s products are the kernel's (`products.rs`), plain
+            // autodiff's `exp(sum(log x))`, with other gradients: within 1e-3 there.
             let plain = run::<Autodiff<X>>(&case, device);
-            let tolerance = if exact { 1e-5 } else { 1e-3 };
+            let products = case.has(&[Op::ProdDim, Op::Cumprod]);
+            let tolerance = if exact && !products { 1e-5 } else { 1e-3 };
             assert_within(
                 &case,
                 &f32,
@@ -294,7 +295,7 @@ fn random_graphs_wgpu_f16() {
 fn assert_backends_agree(
     case: &Case,
     precision: Precision,
-    tolerance: f32,
+    tolerance: impl Fn(usize) -> f32,
     (a_name, a): (&str, Vec<TensorData>),
     (b_name, b): (&str, Vec<TensorData>),
 ) {
@@ -313,7 +314,7 @@ fn assert_backends_agree(
         }
         let err = rel_l2(&a, &b);
         assert!(
-            err <= tolerance,
+            err <= tolerance(i),
             "random graph (seed {}) at {precision:?}: result {i} on {a_name} is {err:.2e} from \
              {b_name}\n  nodes: {:?}",
             case.seed,
@@ -354,7 +355,7 @@ fn random_graphs_fused_and_unfused_agree_on_wgpu() {
             assert_backends_agree(
                 &case,
                 precision,
-                tolerance,
+                |_| tolerance,
                 ("fused wgpu", fused),
                 ("unfused wgpu", unfused),
             );
@@ -368,10 +369,12 @@ fn random_graphs_fused_and_unfused_agree_on_wgpu() {
 /// setting; a kernel that reads the wrong element is off by its whole value, so 1e-2 relative
 /// L2 is the bound: ill-conditioned graphs amplify a last-bit difference (seed 2328, a
 /// reciprocal of `|x|` then a log, is 3.2e-3 apart: the first of seeds 0..2329 past 1e-4).
-/// By hand, seeds 0..4000 passed. (At F16 two backends round differently, and a loss that
-/// cancels amplifies it: seed 408, a matmul then `tanh`, is 3% either side of its f32 value
-/// on the two. Their f16 kernels are held to f32 references by the policy suite.) Graphs with
-/// a step (`floor`, `argmax`, and `remainder`, whose gradient holds `floor(a / b)`) are left
+/// Gradients amplify more: where moving the inputs by 1e-7 (relative) moves Flex's own
+/// result, ten times that move is allowed (seed 1282: a gradient through rows normalized by a
+/// tiny variance moves 6e-2 that way, and is 4e-2 from wgpu's). By hand, seeds 0..4000
+/// pass. (At F16 two backends round differently, and a loss that cancels amplifies it: seed
+/// 408, a matmul then `tanh`, is 3% either side of its f32 value on the two. Their f16
+/// kernels are held to f32 references by the policy suite.) Graphs with a step (`floor`, `argmax`, and `remainder`, whose gradient holds `floor(a / b)`) are left
 /// out: a last-bit difference before one moves a value across it (seed 1470: a matmul, then
 /// `floor`; seed 0's gradient, through a remainder).
 #[test]
@@ -388,10 +391,23 @@ fn random_graphs_flex_and_wgpu_agree() {
         let flex =
             under::<Flex, NoCheckpointing>(&case, &Default::default(), precision, Savings::ALL);
         let wgpu = under::<Unfused, NoCheckpointing>(&case, &device, precision, Savings::ALL);
+        // How far Flex itself moves when the inputs move by a last bit: a gradient through a
+        // row normalized by a tiny variance moves by 6e-2 (seed 1282).
+        let moved = under::<Flex, NoCheckpointing>(
+            &case.perturbed(1e-7),
+            &Default::default(),
+            precision,
+            Savings::ALL,
+        );
+        let sensitivity: Vec<f32> = flex
+            .iter()
+            .zip(&moved)
+            .map(|(a, b)| rel_l2(&a.to_vec::<f32>().unwrap(), &b.to_vec::<f32>().unwrap()))
+            .collect();
         assert_backends_agree(
             &case,
             precision,
-            1e-2,
+            |i| f32::max(1e-2, 10.0 * sensitivity[i]),
             ("Flex", flex),
             ("unfused wgpu", wgpu),
         );
