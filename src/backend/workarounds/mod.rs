@@ -30,17 +30,22 @@
 //! the input in `cumprod`'s backward. `Amp` builds each as one node of its own
 //! ([`products`]): the kernel's product, and a backward right at zeros.
 //!
+//! **CubeCL has no backward for bilinear, bicubic or lanczos3 `interpolate`** (a panic):
+//! `Amp` builds the node on wgpu and CUDA, with a separable backward ([`interpolate`]).
+//!
 //! **Flex sums a transposed view's rows as if they were packed** ([`flex_views`]): wrong
 //! `sum_dim` and `mean_dim` in f32, or a panic; in the forward and in burn-autodiff's
 //! backward, where a bias's gradient is summed from a transposed gradient. `Amp` packs such a
 //! view before its sums, and the gradient that a transposition hands back.
 
 mod flex_views;
+mod interpolate;
 mod products;
 
 pub(crate) use flex_views::{
     float_mean_dim, float_permute, float_sum_dim, float_swap_dims, float_transpose,
 };
+pub(crate) use interpolate::interpolate;
 pub(crate) use products::{float_cumprod, float_prod, float_prod_dim};
 
 use burn_backend::Backend;
