@@ -4,6 +4,7 @@
 # correctness part and then its speed part, runs the same models in PyTorch, and writes
 # under $OUT (default gpu-check-out/):
 #   gpu_check.jsonl  burn-amp's JSON lines      torch.jsonl  PyTorch's
+#   numerics.jsonl   gpu_check's numerics part, run last in the time left
 #   table.md         the side-by-side table     log.txt      what this script found and did
 # Budget: under 8 minutes of wall time in all (time limits below), first compilations included.
 #
@@ -12,6 +13,7 @@
 #
 # Environment: GPU_CHECK_BACKEND (cuda | wgpu), GPU_CHECK_ARGS (more gpu_check flags),
 # TORCH_ARGS (more torch_reference.py flags), GPU_CHECK_TIMEOUT / TORCH_TIMEOUT (seconds),
+# GPU_CHECK_TOTAL (the script's budget, 460 s) / GPU_CHECK_NUMERICS_SECONDS (the numerics cap),
 # GPU_CHECK_LIBCUDA (a driver library to use instead of the one found).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -151,7 +153,38 @@ else
     rm -f "$out/torch.jsonl"
 fi
 
-# 5. The table.
+# 5. gpu_check's numerics part, last, in the time left (the figures above come first): the
+# checks of tests/autocast_numerics at f16 and bf16 on this backend, the Burn defects Amp
+# works around, random graphs while time lasts. GPU_CHECK_TOTAL is the whole script's budget
+# (the device call's limit less a margin); GPU_CHECK_NUMERICS_SECONDS caps the part (CI).
+total="${GPU_CHECK_TOTAL:-460}"
+left=$(( total - ($(date +%s) - started) - 15 ))
+cap="${GPU_CHECK_NUMERICS_SECONDS:-$left}"
+(( cap < left )) && left=$cap
+rm -f "$out/numerics.jsonl"
+if [[ -n "${missing:-}" ]]; then
+    log "numerics part not run: $missing"
+elif (( left < 20 )); then
+    log "numerics part not run: ${left} s left of GPU_CHECK_TOTAL=${total} s"
+    printf '{"kind": "skipped", "impl": "burn-amp", "what": "numerics part", "why": "%s s left of the check'"'"'s %s s (GPU_CHECK_TOTAL)"}\n' \
+        "$left" "$total" > "$out/numerics.jsonl"
+else
+    log "gpu_check --only numerics --numerics-seconds $left ${GPU_CHECK_ARGS:-}"
+    # A case may run past the budget (it checks the time before it starts): 60 s more.
+    # shellcheck disable=SC2086
+    timeout $((left + 60)) "$work/gpu_check" --backend "$backend" --only numerics \
+        --numerics-seconds "$left" --out "$out/numerics.jsonl" ${GPU_CHECK_ARGS:-} \
+        > /dev/null 2> >(tee "$out/numerics.stderr" >&2)
+    numerics_status=$?
+    log "gpu_check --only numerics exited with $numerics_status"
+    if (( numerics_status == 124 || numerics_status > 128 )); then
+        printf '{"kind": "error", "impl": "burn-amp", "what": "numerics process", "error": "gpu_check --only numerics was stopped (status %s, see numerics.stderr); the lines before this one are what it finished"}\n' \
+            "$numerics_status" >> "$out/numerics.jsonl"
+    fi
+    (( numerics_status != 0 && burn_status == 0 )) && burn_status=$numerics_status
+fi
+
+# 6. The table.
 python3 scripts/gpu_table.py "$out"
 table_status=$?
 log "done in $(($(date +%s) - started)) s"

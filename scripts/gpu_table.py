@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """The GPU check's report: burn-amp's results beside PyTorch's, as one markdown table.
 
-    python3 scripts/gpu_table.py OUT_DIR     # reads gpu_check.jsonl (+ torch.jsonl if there)
+    python3 scripts/gpu_table.py OUT_DIR     # reads gpu_check.jsonl (+ numerics.jsonl, torch.jsonl if there)
     python3 scripts/gpu_table.py --selftest  # canned input in scripts/testdata/gpu-check/
 
 Writes OUT_DIR/table.md, prints it, and prints one {"kind":"summary",...} JSON line last.
@@ -17,9 +17,12 @@ import sys
 import tempfile
 
 BURN_FILE, TORCH_FILE, TABLE_FILE = "gpu_check.jsonl", "torch.jsonl", "table.md"
+# gpu_check's numerics part, run last in the time left (`--only numerics`).
+NUMERICS_FILE = "numerics.jsonl"
 PRECISIONS = ["f32", "bf16", "f16"]
 MODELS = ["transformer", "mlp"]
-SUITES = ["policy", "kernels", "scaled_step", "accumulation"]
+SUITES = ["policy", "kernels", "scaled_step", "accumulation", "numerics", "workarounds",
+          "random graphs"]
 DASH = "—"
 MIB = 1024 * 1024
 TESTDATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "testdata", "gpu-check")
@@ -157,6 +160,18 @@ def report(burn, torch):
         kinds = [f"{who}: {kind}" for who, kind in (("burn-amp", peak_kind(b)), ("PyTorch", peak_kind(t)))
                  if kind]
         lines += ["", "Peak memory: " + "; ".join(kinds) + "."] if kinds else []
+        # f32 is f32 storage with TF32 matmuls on both sides (like for like); say what PyTorch
+        # ran with, per row, as its lines report it.
+        tf32 = [f"{p} {'on' if r.get('tf32') else 'off' if r.get('tf32') is False else 'unknown'}"
+                for p, r in t.items() if p.startswith("f32")]
+        probe = next((r for r in burn if r.get("kind") == "probe" and r.get("what") == "f32 matmul"), None)
+        if probe and num(probe.get("rel_l2")) is not None:
+            ours = (f"burn-amp's {'TF32' if probe.get('tf32') else 'f32'} (measured: relative error "
+                    f"{num(probe['rel_l2']):.1e} against f64 at {probe.get('shape')}, after autotune)")
+        else:
+            ours = "burn-amp's in TF32 where autotune picks a tensor-core kernel (cubek-matmul on CUDA; not measured)"
+        if tf32 or probe:
+            lines += ["", f"f32 matmuls: {ours}; PyTorch's TF32: " + (", ".join(tf32) or DASH) + "."]
         lines.append("")
         # Always the three rows, so a missing run shows as dashes; any other precision after.
         precisions = list(dict.fromkeys(PRECISIONS + list(b) + list(t)))
@@ -213,13 +228,20 @@ def report(burn, torch):
                          DASH if share is None else f"{100 * share:.1f} %"])
         lines += table(["kernel", "dtype", "elements", "GB/s", "reference GB/s", "of reference"], rows)
 
+    # What plain Burn does on this device where burn-amp works around a defect (canaries)
+    infos = [r for r in burn if r.get("kind") == "info"]
+    if infos:
+        lines += ["", "## Plain Burn on this device (where burn-amp works around a defect)", ""]
+        for r in infos:
+            lines.append(f"- {r.get('case') or DASH}: {short(r.get('detail') or r.get('error') or DASH)}")
+
     # Errors / skipped, from both files
     problems = [("burn-amp", r) for r in burn if r.get("kind") in ("error", "skipped")]
     problems += [("PyTorch", r) for r in torch if r.get("kind") in ("error", "skipped")]
     if problems:
         lines += ["", "## Errors / skipped", ""]
         for who, r in problems:
-            where = " / ".join(str(r[k]) for k in ("suite", "case", "model", "precision", "what") if r.get(k))
+            where = " / ".join(str(r[k]) for k in ("suite", "case", "dtype", "model", "precision", "what") if r.get(k))
             text = r.get("error") if r.get("kind") == "error" else r.get("why")
             where = f": {where}" if where else ""
             lines.append(f"- {who} {r['kind']}{where}: {short(text or '(no message)')}")
@@ -240,8 +262,11 @@ def report(burn, torch):
 
 
 def run(out_dir):
-    markdown, summary, code = report(load(os.path.join(out_dir, BURN_FILE)),
-                                     load(os.path.join(out_dir, TORCH_FILE)))
+    burn = load(os.path.join(out_dir, BURN_FILE))
+    numerics = load(os.path.join(out_dir, NUMERICS_FILE))
+    if burn is not None:
+        burn += numerics or []
+    markdown, summary, code = report(burn, load(os.path.join(out_dir, TORCH_FILE)))
     with open(os.path.join(out_dir, TABLE_FILE), "w", encoding="utf-8") as f:
         f.write(markdown)
     sys.stdout.write(markdown)
@@ -259,6 +284,7 @@ def selftest(bless=False):
             with open(os.path.join(tmp, BURN_FILE), "w", encoding="utf-8") as f:
                 f.writelines(burn_lines)
             shutil.copy(os.path.join(TESTDATA, TORCH_FILE), tmp)
+            shutil.copy(os.path.join(TESTDATA, NUMERICS_FILE), tmp)
             done = subprocess.run([sys.executable, os.path.abspath(__file__), tmp],
                                   capture_output=True, text=True, encoding="utf-8")
             if done.returncode != want_code:

@@ -5,7 +5,10 @@ Mirrors the two models the Rust `gpu_check` times:
   - transformer: TinyLm of tests/common/tiny_lm.rs (dropout 0) on the sequence-reversal task;
   - mlp: DeepMlp of tests/common/models.rs (`depth` Linear(width, width) + GELU), loss mean(out^2).
 Each is trained with fused AdamW at f32 (no autocast), bf16 (torch.autocast, no scaler) and f16
-(torch.autocast + GradScaler). TF32 is off, so f32 is true f32 like burn's.
+(torch.autocast + GradScaler). f32 matmuls run in TF32, as burn's do on CUDA: cubek-matmul 0.2
+takes f32 operands as TF32 in its accelerated (tensor core) kernels wherever the device has TF32
+(cubecl-cuda registers it on every CUDA device), and Burn's autotune picks those at these sizes.
+`f32-ieee` is PyTorch with TF32 off, for what true f32 costs (burn-amp has no such row).
 
 Prints one JSON line per (model, precision) to stdout, with the fields of gpu_check's speed lines
 (kind "speed", impl "pytorch"); a failing run prints a kind "error" line and the next one goes on.
@@ -94,19 +97,20 @@ def build(args, name, dev, gen):
     raise ValueError(f"unknown model {name!r} (transformer, mlp)")
 
 
-def disable_tf32():
-    """Turns TF32 off for matmuls and cuDNN convolutions; returns whether it is still on."""
+def set_tf32(on):
+    """TF32 on or off for matmuls and cuDNN convolutions; returns whether it is on now."""
     # PyTorch >= 2.9 has per-backend fp32_precision and raises when the legacy flags are read
     # after it was used ("mix of the legacy and new APIs"): use one family only.
     matmul, cudnn = torch.backends.cuda.matmul, torch.backends.cudnn
     if hasattr(matmul, "fp32_precision") and hasattr(cudnn, "conv"):
-        matmul.fp32_precision = "ieee"
-        cudnn.conv.fp32_precision = "ieee"
-        cudnn.rnn.fp32_precision = "ieee"
-        return matmul.fp32_precision != "ieee" or cudnn.conv.fp32_precision != "ieee"
-    matmul.allow_tf32 = False
-    cudnn.allow_tf32 = False
-    return bool(matmul.allow_tf32 or cudnn.allow_tf32)
+        mode = "tf32" if on else "ieee"
+        matmul.fp32_precision = mode
+        cudnn.conv.fp32_precision = mode
+        cudnn.rnn.fp32_precision = mode
+        return matmul.fp32_precision == "tf32"
+    matmul.allow_tf32 = on
+    cudnn.allow_tf32 = on
+    return bool(matmul.allow_tf32)
 
 
 def percentile(sorted_values, q):
@@ -121,6 +125,8 @@ def run(args, name, precision, dev, meta):
     gen.manual_seed(args.seed)
     model, next_batch, loss_of, tokens_per_step, sizes = build(args, name, dev, gen)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0, fused=cuda)
+    if precision not in ("f32", "f32-ieee", "bf16", "f16"):
+        raise ValueError(f"unknown precision {precision!r} (f32, f32-ieee, bf16, f16)")
     dtype = {"f16": torch.float16, "bf16": torch.bfloat16}.get(precision)
     amp_dtype = torch.bfloat16 if dtype is None else dtype  # autocast wants one even when off
     scaler = torch.amp.GradScaler(dev.type, enabled=precision == "f16")
@@ -187,7 +193,7 @@ def run(args, name, precision, dev, meta):
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--models", default="transformer,mlp")
-    p.add_argument("--precisions", default="f32,bf16,f16")
+    p.add_argument("--precisions", default="f32,bf16,f16,f32-ieee")
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--batch", type=int, default=16)
@@ -216,11 +222,6 @@ def main():
     meta = {"device": "cpu", "torch": torch.__version__, "tf32": False}
     if dev.type == "cuda":
         meta["device"] = torch.cuda.get_device_name()
-        try:
-            meta["tf32"] = disable_tf32()
-        except Exception as e:  # unknown here: say so in every line rather than stop
-            print(f"could not turn TF32 off: {e}", file=sys.stderr)
-            meta["tf32"] = None
 
     for name in filter(None, args.models.split(",")):
         for precision in filter(None, args.precisions.split(",")):
@@ -230,7 +231,16 @@ def main():
                         "why": "f16 autocast is not run on the CPU"}
             else:
                 try:
-                    line = run(args, name, precision, dev, meta)
+                    # TF32 for f32 matmuls as burn's (the half precisions do not use it);
+                    # `f32-ieee` without. Each line says which it ran with.
+                    tf32 = precision != "f32-ieee"
+                    if dev.type == "cuda":
+                        try:
+                            tf32 = set_tf32(tf32)
+                        except Exception as e:  # unknown: say so in the line rather than stop
+                            print(f"could not set TF32: {e}", file=sys.stderr)
+                            tf32 = None
+                    line = run(args, name, precision, dev, {**meta, "tf32": tf32})
                 except Exception as e:  # an OOM or the like: report it, go on with the next
                     line = {"kind": "error", **head, "error": f"{type(e).__name__}: {e}"[:2000]}
             print(json.dumps(line), flush=True)

@@ -15,6 +15,11 @@
 //! check's bandwidth. `scripts/torch_reference.py` runs the same models in PyTorch and
 //! `scripts/gpu_table.py` puts both in one table.
 //!
+//! Apart (`--only numerics`, within `--numerics-seconds`; `gpu-check.sh` runs it last, in the
+//! time left), the numerics part (`numerics.rs`): the checks of `tests/autocast_numerics` at
+//! f16 and bf16 on this backend, the Burn 0.21 defects `Amp` works around, and random graphs
+//! while time is left.
+//!
 //! Every result is one JSON line on stdout (and in `--out`), log text on stderr.
 //!
 //! ```text
@@ -29,17 +34,18 @@ mod common;
 mod correctness;
 #[allow(dead_code, unused_imports, clippy::all)]
 mod kernel_cases;
+mod numerics;
 mod report;
 mod speed;
 
 use std::path::{Path, PathBuf};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use burn::backend::Autodiff;
 use burn::backend::wgpu::WgpuRuntime;
 use burn::tensor::backend::AutodiffBackend;
 use burn_amp::memory::DeviceMemory;
-use burn_amp::{Amp, AmpKernels};
+use burn_amp::{Amp, AmpKernels, Precision};
 use burn_cubecl::CubeBackend;
 use clap::{Parser, ValueEnum};
 use serde_json::json;
@@ -52,7 +58,8 @@ struct Args {
     /// cuda (needs --features cuda) or wgpu (the same checks on any Vulkan device).
     #[arg(long, value_enum, default_value_t = BackendArg::Cuda)]
     backend: BackendArg,
-    /// Run one part only.
+    /// Run one part only. Without it: correctness, then speed; the numerics part runs only
+    /// when asked (gpu-check.sh runs it last, in the time left).
     #[arg(long, value_enum)]
     only: Option<Part>,
     /// Tiny speed sizes and few steps: a smoke run of the speed code (CI, lavapipe).
@@ -64,6 +71,10 @@ struct Args {
     /// Untimed steps first: kernel compilation (JIT) and autotune.
     #[arg(long, default_value_t = 5)]
     warmup: usize,
+    /// Seconds for the numerics part (`--only numerics`): the checks of
+    /// tests/autocast_numerics, then random graphs while time is left.
+    #[arg(long, default_value_t = 60)]
+    numerics_seconds: u64,
     /// Measure speed even when a correctness check failed.
     #[arg(long)]
     speed_anyway: bool,
@@ -87,6 +98,7 @@ enum BackendArg {
 enum Part {
     Correctness,
     Speed,
+    Numerics,
 }
 
 /// What the check needs of a backend: `Fused` is the backend users train on (fusion over
@@ -98,6 +110,9 @@ pub trait Target {
     /// here, proven once per target, so that generic code sees one device type).
     type Train: AutodiffBackend<Device = Device<Self>, InnerBackend: AmpKernels>;
     const NAME: &'static str;
+    /// Whether f32 matmuls may run in TF32 (cubek-matmul's accelerated kernels on CUDA take
+    /// f32 operands as TF32 where the device has it; autotune picks them at large sizes).
+    const TF32: bool;
 }
 
 /// The training backend of a target.
@@ -111,6 +126,7 @@ impl Target for WgpuTarget {
     type Bare = CubeBackend<WgpuRuntime, f32, i32, u32>;
     type Train = Amp<Autodiff<Self::Fused>>;
     const NAME: &'static str = "wgpu";
+    const TF32: bool = false;
 }
 
 #[cfg(feature = "cuda")]
@@ -121,6 +137,7 @@ impl Target for CudaTarget {
     type Bare = CubeBackend<cubecl::cuda::CudaRuntime, f32, i32, u8>;
     type Train = Amp<Autodiff<Self::Fused>>;
     const NAME: &'static str = "cuda";
+    const TF32: bool = true;
 }
 
 fn main() {
@@ -199,7 +216,7 @@ fn run<T: Target>(args: &Args, report: &mut Report) -> bool {
     }));
     let started = Instant::now();
     let mut ok = true;
-    if args.only != Some(Part::Speed) {
+    if args.only.is_none() || args.only == Some(Part::Correctness) {
         let failed = correctness::run::<T>(&device, report);
         report.emit(
             json!({"kind": "warmup", "what": "correctness (first compilation of every kernel)",
@@ -210,7 +227,7 @@ fn run<T: Target>(args: &Args, report: &mut Report) -> bool {
             eprintln!("gpu_check: {failed} correctness case(s) failed (see the JSON lines)");
         }
     }
-    if args.only != Some(Part::Correctness) {
+    if args.only.is_none() || args.only == Some(Part::Speed) {
         if ok || args.speed_anyway {
             let sizes = if args.quick {
                 speed::Sizes::quick()
@@ -226,6 +243,18 @@ fn run<T: Target>(args: &Args, report: &mut Report) -> bool {
         } else {
             report.emit(json!({"kind": "skipped", "what": "speed",
                 "why": "a correctness check failed (--speed-anyway measures anyway)"}));
+        }
+    }
+    if args.only == Some(Part::Numerics) {
+        let lows: Vec<Precision> = [Precision::F16, Precision::Bf16]
+            .into_iter()
+            .filter(|p| p.is_supported::<T::Fused>(&device))
+            .collect();
+        let budget = Duration::from_secs(args.numerics_seconds);
+        let failed = numerics::run::<T>(&device, &lows, budget, report);
+        if failed > 0 {
+            ok = false;
+            eprintln!("gpu_check: {failed} numerics case(s) failed (see the JSON lines)");
         }
     }
     eprintln!(

@@ -130,6 +130,22 @@ pub fn run<T: Target>(
             <T::Fused as Backend>::memory_cleanup(device);
         }
     }
+    // What "f32" measured: f32 matmuls at the transformer's feed-forward size, after its
+    // autotune, against an f64 reference.
+    let m = sizes.lm_batch * sizes.lm.seq_len;
+    let (k, n) = (sizes.lm.d_model, sizes.lm.d_ff);
+    let probe = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        f32_matmul_error::<T::Fused>(device, [m, k, n])
+    }))
+    .unwrap_or_else(|p| Err(panic_message(p)));
+    match probe {
+        Ok(rel_l2) => report.emit(json!({"kind": "probe", "impl": "burn-amp",
+            "what": "f32 matmul", "shape": [m, k, n], "rel_l2": rel_l2,
+            "tf32": rel_l2 > F32_MATMUL_BOUND})),
+        Err(error) => report.emit(json!({"kind": "error", "impl": "burn-amp",
+            "what": "f32 matmul probe", "error": error})),
+    }
+
     let mut dtypes = vec![FloatDType::F32, FloatDType::F16];
     if Precision::Bf16.is_supported::<T::Fused>(device) {
         dtypes.push(FloatDType::BF16);
@@ -152,6 +168,36 @@ pub fn run<T: Target>(
         <T::Fused as Backend>::memory_cleanup(device);
     }
     ok
+}
+
+/// Above this relative L2 error an f32 matmul of depth ~1000 did not run in f32: f32
+/// accumulation lands near 1e-7, TF32 operands (10-bit mantissa) near 3e-4.
+const F32_MATMUL_BOUND: f64 = 1e-5;
+
+/// The relative L2 error of an f32 `[m, k] x [k, n]` matmul on `B` (its second call, after
+/// any autotune) against f64 arithmetic on the host, over its first 8 rows.
+fn f32_matmul_error<B: Backend>(device: &B::Device, [m, k, n]: [usize; 3]) -> Result<f64, String> {
+    let mut rng = crate::common::Rng::new(5);
+    // Full 24-bit mantissas: TF32 keeps 10 of them.
+    let a: Vec<f32> = (0..m * k).map(|_| rng.unit() * 2.0 - 1.0).collect();
+    let b: Vec<f32> = (0..k * n).map(|_| rng.unit() * 2.0 - 1.0).collect();
+    let lhs = Tensor::<B, 2>::from_data(TensorData::new(a.clone(), [m, k]), device);
+    let rhs = Tensor::<B, 2>::from_data(TensorData::new(b.clone(), [k, n]), device);
+    let _ = lhs.clone().matmul(rhs.clone()).into_data();
+    let rows = m.min(8);
+    let got = lhs.matmul(rhs).slice([0..rows, 0..n]).into_data();
+    let got = got.to_vec::<f32>().map_err(|e| format!("{e:?}"))?;
+    let (mut err, mut norm) = (0f64, 0f64);
+    for i in 0..rows {
+        for j in 0..n {
+            let want: f64 = (0..k)
+                .map(|l| a[i * k + l] as f64 * b[l * n + j] as f64)
+                .sum();
+            err += (got[i * n + j] as f64 - want).powi(2);
+            norm += want * want;
+        }
+    }
+    Ok((err / norm.max(1e-300)).sqrt())
 }
 
 #[derive(Clone, Copy)]

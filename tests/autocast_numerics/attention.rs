@@ -185,7 +185,7 @@ fn attention_matches_f32<A: AutodiffBackend>(
     failures
 }
 
-fn check_attention<A: AutodiffBackend>(precision: Precision, check_grads: bool) {
+pub(crate) fn check_attention<A: AutodiffBackend>(precision: Precision, check_grads: bool) {
     let mut failures = Vec::new();
     for (name, data) in [
         ("large logits", large_logits()),

@@ -101,7 +101,7 @@ fn cached_against_per_use<X: Backend, C: CheckpointStrategy>(device: &X::Device,
     assert_same(&cached, &per_use, what);
 }
 
-fn cached_gradients_are_those_of_a_cast_per_use<X: Backend>(
+pub(crate) fn cached_gradients_are_those_of_a_cast_per_use<X: Backend>(
     device: &X::Device,
     precision: Precision,
 ) {
@@ -116,7 +116,7 @@ flex_and_wgpu_tests!(cached_gradients_are_those_of_a_cast_per_use:
 
 /// Two forwards share the cached copies, then each is backpropagated on its own: each
 /// graph has its own cast nodes, so the second backward still reaches the parameters.
-fn two_graphs_over_one_copy_keep_their_gradients<X: Backend>(
+pub(crate) fn two_graphs_over_one_copy_keep_their_gradients<X: Backend>(
     device: &X::Device,
     precision: Precision,
 ) {

@@ -11,7 +11,7 @@ use super::*;
 /// base 900 + 0.75. The bilinear samples are 0.25, 0.25, 0.25 and 0.75. In f16 an offset of
 /// 600.25 (or a coordinate 600.25 formed in the kernel's element type) rounds to 600 and the
 /// sample to 0; in bf16 already above 64. Tolerance: 1e-5 (computed in f32).
-fn deform_conv_matches_f32<B: Backend>(device: &B::Device, precision: Precision) {
+pub(crate) fn deform_conv_matches_f32<B: Backend>(device: &B::Device, precision: Precision) {
     let width = 1024;
     let row: Vec<f32> = (0..width).map(|i| (i % 2) as f32).collect();
     let x = Tensor::<B, 4>::from_data(TensorData::new(row, [1, 1, 1, width]), device);

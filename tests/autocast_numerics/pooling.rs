@@ -55,7 +55,7 @@ fn pool_inputs() -> Vec<(&'static str, [usize; 4], Vec<f32>)> {
 /// Average pooling of a low-precision activation through `Amp<B>`: f32 out, and the f32
 /// values. Inputs are small integers, exact in f16 and bf16, so the reference (the same
 /// backend in f32) sees the same values; tolerance 1e-5 absolute + 1e-5 relative.
-fn pooling_matches_f32<B: Backend>(device: &B::Device, precision: Precision) {
+pub(crate) fn pooling_matches_f32<B: Backend>(device: &B::Device, precision: Precision) {
     let mut failures = Vec::new();
     for (name, dims, data) in pool_inputs() {
         let x = Tensor::<B, 4>::from_data(TensorData::new(data, dims), device);
@@ -94,7 +94,7 @@ flex_and_wgpu_tests!(pooling_matches_f32:
 /// low dtype (an activation), pooled, weighted per channel by (3, -2) and summed. The f32
 /// output and the gradient 3/4096 and -2/4096 (exact in f16 and bf16) must come out, with
 /// no panic on the mixed dtypes the backward meets.
-fn pooling_backward<A: AutodiffBackend>(precision: Precision) {
+pub(crate) fn pooling_backward<A: AutodiffBackend>(precision: Precision) {
     let device = Default::default();
     let (h, w) = (64, 64);
     for pool in Pool::ALL {

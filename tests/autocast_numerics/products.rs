@@ -184,7 +184,7 @@ fn assert_matches(got: &[f32], want: &[f64], what: &str) {
     }
 }
 
-fn check<B: AutodiffBackend>(device: &B::Device, backend: &str) {
+pub(crate) fn check<B: AutodiffBackend>(device: &B::Device, backend: &str) {
     for (precision, dtype) in [
         (Precision::F32, DType::F32),
         (Precision::F16, DType::F16),
@@ -260,7 +260,7 @@ fn plain_autodiff_products_are_still_wrong() {
 /// the README) are those of the contiguous tensor along the other dimension, values and
 /// gradients; and `w.swap_dims(0, 1).tanh().prod_dim(0)`, whose backward made Burn 0.21's
 /// fusion panic in code generation on wgpu (`exp(sum(log x))`'s), runs under `Amp`.
-fn transposed<B: AutodiffBackend>(device: &B::Device, backend: &str) {
+pub(crate) fn transposed<B: AutodiffBackend>(device: &B::Device, backend: &str) {
     let _g = autocast(Precision::F16);
     let (_, input) = &INPUTS[0];
     for kind in [

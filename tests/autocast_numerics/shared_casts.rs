@@ -17,6 +17,8 @@ use burn_amp::backend::cast_cache;
 use burn_amp::{Amp, autocast};
 
 use super::cast_cache::{gradients as lstm_gradients, loss as lstm_loss, new_lstm};
+// The allocator's counts: this test binary's (the GPU check compiles the checks alone).
+#[cfg(test)]
 use super::probabilities::live_bytes;
 use super::*;
 
@@ -127,7 +129,7 @@ fn shared_against_per_use<X: Backend, C: CheckpointStrategy>(
     );
 }
 
-fn shared_gradients_are_those_of_a_cast_per_use<X: Backend>(
+pub(crate) fn shared_gradients_are_those_of_a_cast_per_use<X: Backend>(
     device: &X::Device,
     precision: Precision,
 ) {

@@ -15,6 +15,8 @@ use burn_amp::backend::upcast;
 use burn_amp::{Amp, autocast};
 
 use super::cast_cache::{gradients as lstm_gradients, loss as lstm_loss, new_lstm};
+// The allocator's counts: this test binary's (the GPU check compiles the checks alone).
+#[cfg(test)]
 use super::probabilities::{assert_kept_by_hand, retained_per_element};
 use super::*;
 
@@ -114,7 +116,7 @@ fn recomputed_against_kept<X: Backend, C: CheckpointStrategy>(
     );
 }
 
-fn recomputed_gradients_are_those_of_a_kept_cast<X: Backend>(
+pub(crate) fn recomputed_gradients_are_those_of_a_kept_cast<X: Backend>(
     device: &X::Device,
     precision: Precision,
 ) {

@@ -9,6 +9,8 @@
 //!   gradient now and then; under `Amp`, never.
 //! - a sum or mean along dimension 0 of a transposed view on Flex: wrong in plain Flex (or a
 //!   panic, flipped); under `Amp`, the packed tensor's.
+//! - the gradient of a global average pool (a 1×1 output) on CubeCL: wrong in plain wgpu
+//!   when the channels are not a multiple of 4 (a panic below 4); under `Amp`, Flex's.
 //!
 //! Products (`exp(sum(log x))` under burn-autodiff) are `products.rs`'s.
 
@@ -78,31 +80,39 @@ fn picks_broadcast_by_fused_ops_are_right_on_wgpu() {
     let Some(device) = common::wgpu_device() else {
         return;
     };
-    for pick in PICKS {
-        let want = picked::<Flex>(pick, &Default::default());
-        for precision in [Precision::F32, Precision::F16] {
-            let _g = autocast(precision);
-            let got = picked::<Amp<Wgpu>>(pick, &device);
-            assert_eq!(
-                wrong(&got, &want),
-                0,
-                "{pick:?} on Amp<Wgpu> at {precision:?}"
-            );
-            let got = picked::<Amp<Autodiff<Wgpu>>>(pick, &device);
-            assert_eq!(
-                wrong(&got, &want),
-                0,
-                "{pick:?} on Amp<Autodiff<Wgpu>> at {precision:?}"
-            );
-        }
+    for (pick, plain) in picks_are_right::<Wgpu>(&device) {
         // Burn 0.21's defect, which the above works around. Fixed in a later Burn, this
         // fails: drop the workaround then, and this check.
-        let plain = wrong(&picked::<Wgpu>(pick, &device), &want);
         assert!(
             plain > 0,
             "{pick:?}: plain Wgpu is right now; the fusion defect is fixed"
         );
     }
+}
+
+/// Each pick under `Amp<X>` and `Amp<Autodiff<X>>` at F32 and F16: Flex's values exactly.
+/// Returns how many values plain `X` gets wrong, per pick (the GPU check runs it on CUDA).
+pub(crate) fn picks_are_right<X: Backend>(device: &X::Device) -> Vec<(String, usize)> {
+    let mut plain_wrong = Vec::new();
+    for pick in PICKS {
+        let want = picked::<Flex>(pick, &Default::default());
+        for precision in [Precision::F32, Precision::F16] {
+            let _g = autocast(precision);
+            let got = picked::<Amp<X>>(pick, device);
+            assert_eq!(wrong(&got, &want), 0, "{pick:?} under Amp at {precision:?}");
+            let got = picked::<Amp<Autodiff<X>>>(pick, device);
+            assert_eq!(
+                wrong(&got, &want),
+                0,
+                "{pick:?} under Amp over Autodiff at {precision:?}"
+            );
+        }
+        plain_wrong.push((
+            format!("{pick:?}"),
+            wrong(&picked::<X>(pick, device), &want),
+        ));
+    }
+    plain_wrong
 }
 
 /// The gradient through a broadcast pick (`loss = Σ w ⊙ (a − b.gather(1, idx))²`, which
@@ -112,6 +122,12 @@ fn gradients_through_broadcast_picks_are_right_on_wgpu() {
     let Some(device) = common::wgpu_device() else {
         return;
     };
+    pick_gradients_are_right::<Wgpu>(&device);
+}
+
+/// [`gradients_through_broadcast_picks_are_right_on_wgpu`] on any backend: within 1e-5 of
+/// Flex's (no matmul: elementwise f32 arithmetic, a gather and a sum).
+pub(crate) fn pick_gradients_are_right<X: Backend>(device: &X::Device) {
     fn grads<B: burn::tensor::backend::AutodiffBackend>(device: &B::Device) -> Vec<f32> {
         let mut rng = Rng::new(22);
         let mut values = |n: usize| -> Vec<f32> { (0..n).map(|_| on_grid(rng.unit())).collect() };
@@ -128,7 +144,7 @@ fn gradients_through_broadcast_picks_are_right_on_wgpu() {
     }
     let _g = autocast(Precision::F32);
     let want = grads::<Autodiff<Flex>>(&Default::default());
-    let got = grads::<Amp<Autodiff<Wgpu>>>(&device);
+    let got = grads::<Amp<Autodiff<X>>>(device);
     for (g, w) in got.iter().zip(&want) {
         assert!((g - w).abs() <= 1e-5, "gradient {g}, Flex's {w}");
     }
@@ -408,4 +424,103 @@ fn bias_gradients_through_transposed_cats_are_right_on_flex() {
             );
         }
     }
+}
+
+/// A pool's kernel (and stride), padding and `count_include_pad`.
+type GlobalPool = ([usize; 2], [usize; 2], bool);
+
+/// Global average pools (one window over the map: a 1×1 output): the input's gradient and
+/// the output on `B`, for `[n, c, h, w]` ramps weighted per output by a fixed ramp.
+fn global_pool<B: burn::tensor::backend::AutodiffBackend>(
+    [n, c, h, w]: [usize; 4],
+    (kernel, padding, count_include_pad): GlobalPool,
+    device: &B::Device,
+) -> (Vec<f32>, Vec<f32>) {
+    let mut rng = Rng::new(31);
+    let xv: Vec<f32> = (0..n * c * h * w).map(|_| on_grid(rng.unit())).collect();
+    let wv: Vec<f32> = (0..n * c).map(|i| 1.0 + i as f32 * 0.25).collect();
+    let x = Tensor::<B, 4>::from_data(TensorData::new(xv, [n, c, h, w]), device).require_grad();
+    let weights = Tensor::<B, 4>::from_data(TensorData::new(wv, [n, c, 1, 1]), device);
+    let y = burn::tensor::module::avg_pool2d(
+        x.clone(),
+        kernel,
+        kernel,
+        padding,
+        count_include_pad,
+        false,
+    );
+    assert_eq!(y.dims(), [n, c, 1, 1], "a global pool");
+    let grad = x
+        .grad(&(y.clone() * weights).sum().backward())
+        .expect("x's gradient");
+    (values(y), values(grad))
+}
+
+/// The shapes and pools of [`global_pools_backpropagate_right`]: channels that are not a
+/// multiple of 4 (wrong in plain Burn on CubeCL, or a panic below 4), one that is, a
+/// rectangle, and padding counted or not.
+const GLOBAL_POOLS: [([usize; 4], GlobalPool); 6] = [
+    ([1, 5, 8, 8], ([8, 8], [0, 0], true)),
+    ([1, 2, 8, 8], ([8, 8], [0, 0], true)),
+    ([3, 3, 8, 8], ([8, 8], [0, 0], true)),
+    ([2, 4, 8, 8], ([8, 8], [0, 0], true)),
+    ([1, 3, 6, 8], ([6, 8], [0, 0], true)),
+    ([1, 3, 8, 8], ([10, 10], [1, 1], false)),
+];
+
+/// Every pool of [`GLOBAL_POOLS`] under `Amp` above autodiff on `X` (at F32 and F16) and
+/// below it (`Autodiff<Amp<X>>`): the output and the input's gradient within 1e-6 of plain
+/// Flex's (right there). The GPU check runs it on CUDA.
+pub(crate) fn global_pools_backpropagate_right<X: Backend>(device: &X::Device) {
+    for (shape, pool) in GLOBAL_POOLS {
+        let (want_y, want_grad) = global_pool::<Autodiff<Flex>>(shape, pool, &Default::default());
+        let mut runs = Vec::new();
+        for precision in [Precision::F32, Precision::F16] {
+            let _g = autocast(precision);
+            runs.push((
+                format!("Amp over autodiff at {precision:?}"),
+                global_pool::<Amp<Autodiff<X>>>(shape, pool, device),
+            ));
+        }
+        runs.push((
+            "autodiff over Amp".into(),
+            global_pool::<Autodiff<Amp<X>>>(shape, pool, device),
+        ));
+        for (what, (y, grad)) in runs {
+            let what = format!("{shape:?}, pool {pool:?}, {what}");
+            if let Some((i, g, r)) = first_mismatch(&y, &want_y, 1e-6, 1e-6) {
+                panic!("{what}: output {g} at {i}, Flex's {r}");
+            }
+            if let Some((i, g, r)) = first_mismatch(&grad, &want_grad, 1e-7, 1e-6) {
+                panic!("{what}: gradient {g} at {i}, Flex's {r}");
+            }
+        }
+    }
+}
+
+/// burn-cubecl 0.21's `avg_pool2d_backward` reads a 1×1 output's gradient 4 values at a time
+/// over the channels: wrong values with 5 channels, a wgpu validation panic with 2. Under
+/// `Amp` the gradient is Flex's; plain wgpu still gets it wrong (fixed in a later Burn, the
+/// canary fails: drop the workaround then).
+#[test]
+fn global_average_pool_gradients_are_right_on_wgpu() {
+    let Some(device) = common::wgpu_device() else {
+        return;
+    };
+    global_pools_backpropagate_right::<Wgpu>(&device);
+    let (wrong, of) = plain_global_pool_wrong::<Wgpu>(&device);
+    assert!(
+        wrong > 0,
+        "plain Autodiff<Wgpu> gets a global pool's gradient right now: the defect is fixed"
+    );
+    eprintln!("plain Autodiff<Wgpu>: {wrong} of {of} gradient values wrong");
+}
+
+/// How many of the gradient values of the first of [`GLOBAL_POOLS`] plain `Autodiff<X>` gets
+/// wrong, of how many.
+pub(crate) fn plain_global_pool_wrong<X: Backend>(device: &X::Device) -> (usize, usize) {
+    let (shape, pool) = GLOBAL_POOLS[0];
+    let (_, want) = global_pool::<Autodiff<Flex>>(shape, pool, &Default::default());
+    let (_, plain) = global_pool::<Autodiff<X>>(shape, pool, device);
+    (wrong(&plain, &want), want.len())
 }

@@ -33,6 +33,10 @@
 //! **CubeCL has no backward for bilinear, bicubic or lanczos3 `interpolate`** (a panic):
 //! `Amp` builds the node on wgpu and CUDA, with a separable backward ([`interpolate`]).
 //!
+//! **CubeCL's `avg_pool2d` backward reads a 1×1 output's gradient 4 values at a time** over
+//! channels it may not have (wrong values, or a wgpu validation panic): `Amp` computes that
+//! gradient itself, exactly ([`pooling`]).
+//!
 //! **Flex sums a transposed view's rows as if they were packed** ([`flex_views`]): wrong
 //! `sum_dim` and `mean_dim` in f32, or a panic; in the forward and in burn-autodiff's
 //! backward, where a bias's gradient is summed from a transposed gradient. `Amp` packs such a
@@ -40,12 +44,14 @@
 
 mod flex_views;
 mod interpolate;
+mod pooling;
 mod products;
 
 pub(crate) use flex_views::{
     float_mean_dim, float_permute, float_sum_dim, float_swap_dims, float_transpose,
 };
 pub(crate) use interpolate::interpolate;
+pub(crate) use pooling::{avg_pool2d, avg_pool2d_backward};
 pub(crate) use products::{float_cumprod, float_prod, float_prod_dim};
 
 use burn_backend::Backend;

@@ -9,7 +9,7 @@ use super::super::common::Rng;
 use super::super::*;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) enum Op {
+pub(crate) enum Op {
     Matmul,
     Add,
     Sub,

@@ -134,10 +134,24 @@ fn savings_change_no_value<X: Backend>(
     cases: u64,
     max_ops: usize,
 ) {
+    for seed in 0..cases {
+        savings_change_no_value_on::<X>(seed, device, precision, max_ops);
+    }
+}
+
+/// [`savings_change_no_value`] on the graph of one seed (the GPU check draws seeds while its
+/// time lasts).
+pub(crate) fn savings_change_no_value_on<X: Backend>(
+    seed: u64,
+    device: &X::Device,
+    precision: Precision,
+    max_ops: usize,
+) {
     // Bitwise on Flex. Burn's fusion (wgpu) is not bitwise reproducible here: in one CI run
     // the same op stream gave a loss that differed (seed 17, not reproduced by hand), so
     // there the results agree within 1e-3.
     let exact = !core::any::type_name::<X>().contains("Fusion");
+    let case = Case::draw(seed, max_ops);
     let only = |outputs_recomputed: bool| Savings {
         outputs_recomputed,
         ..Savings::NONE
@@ -174,79 +188,76 @@ fn savings_change_no_value<X: Backend>(
         ),
         ("nothing", Savings::NONE),
     ];
-    for seed in 0..cases {
-        let case = Case::draw(seed, max_ops);
-        let composed = under::<X, NoCheckpointing>(&case, device, precision, only(false));
-        let analytic = under::<X, NoCheckpointing>(&case, device, precision, only(true));
-        for (what, savings) in settings {
-            let want = if savings.outputs_recomputed {
-                &analytic
-            } else {
-                &composed
-            };
-            let got = under::<X, NoCheckpointing>(&case, device, precision, savings);
-            assert_same(&case, &got, want, what, exact);
-            let got = under::<X, BalancedCheckpointing>(&case, device, precision, savings);
-            assert_same(
-                &case,
-                &got,
-                want,
-                &format!("{what}, Burn's BalancedCheckpointing"),
-                exact,
-            );
-        }
-        for (i, (a, c)) in analytic.iter().zip(&composed).enumerate() {
-            let err = rel_l2(&a.to_vec::<f32>().unwrap(), &c.to_vec::<f32>().unwrap());
-            assert!(
-                err <= softmax_tolerance(precision),
-                "random graph (seed {}): result {i} {err:.2e} from the composed softmax's\n  \
-                 nodes: {:?}",
-                case.seed,
-                case.nodes
-            );
-        }
-
-        // The precision doctor watches every op (forward and backward) and changes none.
-        let anomaly = burn_amp::doctor::detect_anomaly();
-        let got = under::<X, NoCheckpointing>(&case, device, precision, Savings::ALL);
-        assert!(anomaly.ops_checked() > 0, "the doctor saw no op");
-        drop(anomaly);
+    let composed = under::<X, NoCheckpointing>(&case, device, precision, only(false));
+    let analytic = under::<X, NoCheckpointing>(&case, device, precision, only(true));
+    for (what, savings) in settings {
+        let want = if savings.outputs_recomputed {
+            &analytic
+        } else {
+            &composed
+        };
+        let got = under::<X, NoCheckpointing>(&case, device, precision, savings);
+        assert_same(&case, &got, want, what, exact);
+        let got = under::<X, BalancedCheckpointing>(&case, device, precision, savings);
         assert_same(
             &case,
             &got,
-            &analytic,
-            "the precision doctor's detect_anomaly()",
+            want,
+            &format!("{what}, Burn's BalancedCheckpointing"),
             exact,
         );
+    }
+    for (i, (a, c)) in analytic.iter().zip(&composed).enumerate() {
+        let err = rel_l2(&a.to_vec::<f32>().unwrap(), &c.to_vec::<f32>().unwrap());
+        assert!(
+            err <= softmax_tolerance(precision),
+            "random graph (seed {}): result {i} {err:.2e} from the composed softmax's\n  \
+             nodes: {:?}",
+            case.seed,
+            case.nodes
+        );
+    }
 
-        let f32 = under::<X, NoCheckpointing>(&case, device, Precision::F32, Savings::ALL);
-        // Plain autodiff gets patterns wrong that `Amp` works around (`workarounds.rs`,
-        // `interpolate.rs`): over Burn 0.21's fusion, a broadcast per-row pick; on Flex, a
-        // bias's gradient summed from a transposed view; on CubeCL, a bilinear interpolation
-        // has no backward (a panic). No reference there.
-        let backend = core::any::type_name::<X>();
-        let plain_wrong = |op: Op| match op {
-            Op::Argmax => backend.contains("Fusion"),
-            Op::TransposedBiasCat => backend.contains("Flex"),
-            Op::Interpolate => backend.contains("CubeBackend"),
-            _ => false,
-        };
-        if !case.nodes.iter().any(|n| plain_wrong(n.op)) {
-            // Autodiff adds the gradients that reach a value in its graph's order, which
-            // `Amp`'s own nodes (a product, a copied pick) change: within 1e-5 relative L2
-            // (seed 296: 6.5e-9). `Amp`'s products are the kernel's (`products.rs`), plain
-            // autodiff's `exp(sum(log x))`, with other gradients: within 1e-3 there.
-            let plain = run::<Autodiff<X>>(&case, device);
-            let products = case.has(&[Op::ProdDim, Op::Cumprod]);
-            let tolerance = if exact && !products { 1e-5 } else { 1e-3 };
-            assert_within(
-                &case,
-                &f32,
-                &plain,
-                "autocast at F32 against plain autodiff",
-                tolerance,
-            );
-        }
+    // The precision doctor watches every op (forward and backward) and changes none.
+    let anomaly = burn_amp::doctor::detect_anomaly();
+    let got = under::<X, NoCheckpointing>(&case, device, precision, Savings::ALL);
+    assert!(anomaly.ops_checked() > 0, "the doctor saw no op");
+    drop(anomaly);
+    assert_same(
+        &case,
+        &got,
+        &analytic,
+        "the precision doctor's detect_anomaly()",
+        exact,
+    );
+
+    let f32 = under::<X, NoCheckpointing>(&case, device, Precision::F32, Savings::ALL);
+    // Plain autodiff gets patterns wrong that `Amp` works around (`workarounds.rs`,
+    // `interpolate.rs`): over Burn 0.21's fusion, a broadcast per-row pick; on Flex, a
+    // bias's gradient summed from a transposed view; on CubeCL, a bilinear interpolation
+    // has no backward (a panic). No reference there.
+    let backend = core::any::type_name::<X>();
+    let plain_wrong = |op: Op| match op {
+        Op::Argmax => backend.contains("Fusion"),
+        Op::TransposedBiasCat => backend.contains("Flex"),
+        Op::Interpolate => backend.contains("CubeBackend"),
+        _ => false,
+    };
+    if !case.nodes.iter().any(|n| plain_wrong(n.op)) {
+        // Autodiff adds the gradients that reach a value in its graph's order, which
+        // `Amp`'s own nodes (a product, a copied pick) change: within 1e-5 relative L2
+        // (seed 296: 6.5e-9). `Amp`'s products are the kernel's (`products.rs`), plain
+        // autodiff's `exp(sum(log x))`, with other gradients: within 1e-3 there.
+        let plain = run::<Autodiff<X>>(&case, device);
+        let products = case.has(&[Op::ProdDim, Op::Cumprod]);
+        let tolerance = if exact && !products { 1e-5 } else { 1e-3 };
+        assert_within(
+            &case,
+            &f32,
+            &plain,
+            "autocast at F32 against plain autodiff",
+            tolerance,
+        );
     }
 }
 
@@ -316,13 +327,71 @@ fn assert_backends_agree(
     }
 }
 
+/// How closely two backends agree on a graph: `floor` relative L2 per result or, where
+/// `perturbation` is set and more, ten times what moving the inputs by that much (relative)
+/// moves the first backend's own result. A kernel that reads the wrong element is off by its
+/// whole value; an ill-conditioned graph amplifies a last-bit difference (or a TF32 matmul's,
+/// on CUDA: 1e-3 then).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Agreement {
+    pub(crate) floor: f32,
+    pub(crate) perturbation: Option<f32>,
+}
+
+/// Ops with a step (`floor`, `argmax`, and `remainder`, whose gradient holds `floor(a / b)`):
+/// a last-bit difference before one moves a value across it (seed 1470: a matmul, then
+/// `floor`; seed 0's gradient, through a remainder).
+pub(crate) const STEPS: &[Op] = &[Op::Floor, Op::Argmax, Op::Remainder];
+
+/// The graph of `seed` under autocast at `precision` on `A` and on `B` agrees within
+/// `agreement`; `false` where it holds an op of `leave_out` (nothing ran). Panics with the
+/// seed, the result and the graph otherwise.
+pub(crate) fn backends_agree_on<A: Backend, B: Backend>(
+    seed: u64,
+    (a_name, a_device): (&str, &A::Device),
+    (b_name, b_device): (&str, &B::Device),
+    precision: Precision,
+    agreement: Agreement,
+    leave_out: &[Op],
+) -> bool {
+    let case = Case::draw(seed, 24);
+    if case.has(leave_out) {
+        return false;
+    }
+    let a = under::<A, NoCheckpointing>(&case, a_device, precision, Savings::ALL);
+    let b = under::<B, NoCheckpointing>(&case, b_device, precision, Savings::ALL);
+    let sensitivity: Vec<f32> = match agreement.perturbation {
+        Some(relative) => {
+            let moved = under::<A, NoCheckpointing>(
+                &case.perturbed(relative),
+                a_device,
+                precision,
+                Savings::ALL,
+            );
+            a.iter()
+                .zip(&moved)
+                .map(|(x, y)| rel_l2(&x.to_vec::<f32>().unwrap(), &y.to_vec::<f32>().unwrap()))
+                .collect()
+        }
+        None => vec![0.0; a.len()],
+    };
+    assert_backends_agree(
+        &case,
+        precision,
+        |i| f32::max(agreement.floor, 10.0 * sensitivity[i]),
+        (a_name, a),
+        (b_name, b),
+    );
+    true
+}
+
 /// wgpu's kernels without fusion: the reference the other backends are held to.
 type Unfused = burn::backend::wgpu::CubeBackend<burn::backend::wgpu::WgpuRuntime, f32, i32, u32>;
 
-/// What graphs on [`Unfused`] leave out: `Amp` builds the backward of a bilinear
+/// What graphs on an unfused `CubeBackend` leave out: `Amp` builds the backward of a bilinear
 /// interpolation, which Burn 0.21's CubeCL backends lack (a panic), on the backends it lists
-/// (Flex, `Wgpu`, `Cuda`), and `Unfused` is not one.
-const UNFUSED_CANNOT: &[Op] = &[Op::Interpolate];
+/// (Flex, `Wgpu`, `Cuda`), and a bare `CubeBackend` is not one.
+pub(crate) const UNFUSED_CANNOT: &[Op] = &[Op::Interpolate];
 
 /// Burn's fusion against the same kernels unfused (`CubeBackend`), on wgpu, under autocast at
 /// F32 and at F16: the loss and gradients within 1e-4 (F32) or 2e-2 (F16) relative L2 (fusion
@@ -337,25 +406,17 @@ fn random_graphs_fused_and_unfused_agree_on_wgpu() {
         return;
     };
     for seed in 0..170 {
-        let case = Case::draw(seed, 24);
-        if case.has(UNFUSED_CANNOT) {
-            continue;
-        }
-        for (precision, tolerance) in [(Precision::F32, 1e-4), (Precision::F16, 2e-2)] {
-            let fused = under::<burn::backend::Wgpu, NoCheckpointing>(
-                &case,
-                &device,
+        for (precision, floor) in [(Precision::F32, 1e-4), (Precision::F16, 2e-2)] {
+            backends_agree_on::<burn::backend::Wgpu, Unfused>(
+                seed,
+                ("fused wgpu", &device),
+                ("unfused wgpu", &device),
                 precision,
-                Savings::ALL,
-            );
-            let unfused =
-                under::<Unfused, NoCheckpointing>(&case, &device, precision, Savings::ALL);
-            assert_backends_agree(
-                &case,
-                precision,
-                |_| tolerance,
-                ("fused wgpu", fused),
-                ("unfused wgpu", unfused),
+                Agreement {
+                    floor,
+                    perturbation: None,
+                },
+                UNFUSED_CANNOT,
             );
         }
     }
@@ -372,42 +433,25 @@ fn random_graphs_fused_and_unfused_agree_on_wgpu() {
 /// tiny variance moves 6e-2 that way, and is 4e-2 from wgpu's). By hand, seeds 0..4000
 /// pass. (At F16 two backends round differently, and a loss that cancels amplifies it: seed
 /// 408, a matmul then `tanh`, is 3% either side of its f32 value on the two. Their f16
-/// kernels are held to f32 references by the policy suite.) Graphs with a step (`floor`, `argmax`, and `remainder`, whose gradient holds `floor(a / b)`) are left
-/// out: a last-bit difference before one moves a value across it (seed 1470: a matmul, then
-/// `floor`; seed 0's gradient, through a remainder).
+/// kernels are held to f32 references by the policy suite.) Graphs with a step ([`STEPS`])
+/// are left out.
 #[test]
 fn random_graphs_flex_and_wgpu_agree() {
     let Some(device) = common::wgpu_device() else {
         return;
     };
+    let leave_out = [UNFUSED_CANNOT, STEPS].concat();
     for seed in 0..250 {
-        let case = Case::draw(seed, 24);
-        if case.has(UNFUSED_CANNOT) || case.has(&[Op::Floor, Op::Argmax, Op::Remainder]) {
-            continue;
-        }
-        let precision = Precision::F32;
-        let flex =
-            under::<Flex, NoCheckpointing>(&case, &Default::default(), precision, Savings::ALL);
-        let wgpu = under::<Unfused, NoCheckpointing>(&case, &device, precision, Savings::ALL);
-        // How far Flex itself moves when the inputs move by a last bit: a gradient through a
-        // row normalized by a tiny variance moves by 6e-2 (seed 1282).
-        let moved = under::<Flex, NoCheckpointing>(
-            &case.perturbed(1e-7),
-            &Default::default(),
-            precision,
-            Savings::ALL,
-        );
-        let sensitivity: Vec<f32> = flex
-            .iter()
-            .zip(&moved)
-            .map(|(a, b)| rel_l2(&a.to_vec::<f32>().unwrap(), &b.to_vec::<f32>().unwrap()))
-            .collect();
-        assert_backends_agree(
-            &case,
-            precision,
-            |i| f32::max(1e-2, 10.0 * sensitivity[i]),
-            ("Flex", flex),
-            ("unfused wgpu", wgpu),
+        backends_agree_on::<Flex, Unfused>(
+            seed,
+            ("Flex", &Default::default()),
+            ("unfused wgpu", &device),
+            Precision::F32,
+            Agreement {
+                floor: 1e-2,
+                perturbation: Some(1e-7),
+            },
+            &leave_out,
         );
     }
 }

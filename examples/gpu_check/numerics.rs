@@ -1,0 +1,367 @@
+//! The numerics part: the checks of `tests/autocast_numerics`, compiled in (as `kernel_cases`
+//! compiles the kernel checks) and run on the target's backend, which the tests never see
+//! (CUDA, and bf16 on a CubeCL backend: WGSL has none):
+//! - what autodiff keeps under autocast (the weight-cast cache, shared activation casts,
+//!   recomputed widening and outputs: gradients bitwise those of the plain run, and within
+//!   half precision of f32), pooling, deformable convolution and attention against f32, at
+//!   f16 and bf16;
+//! - the Burn 0.21 defects `Amp` works around: products with signs and zeros against an f64
+//!   reference, interpolation's backward against Flex's, picks broadcast by fused ops, global
+//!   average pools' gradients (and whether plain Burn gets those wrong on this backend too);
+//! - random graphs, drawn while the time lasts: fused against unfused (f32, f16, bf16), Flex
+//!   against the unfused kernels (f32), and every saving of autocast on and off.
+//!
+//! It runs alone (`--only numerics`), within `budget`: a case that cannot start in time is a
+//! `skipped` line, never a failure. Each case is one JSON line, as in `correctness`.
+
+#![allow(dead_code, unused_imports, clippy::all)]
+
+use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::time::{Duration, Instant};
+
+use burn::backend::{Autodiff, Flex};
+use burn_amp::Amp;
+use serde_json::json;
+
+use crate::common;
+use crate::correctness::{Outcome, timed};
+use crate::report::Report;
+use crate::{Device, Target};
+
+// The tests turn each check into `#[test]`s on Flex and wgpu; here they are listed by hand.
+macro_rules! flex_and_wgpu_tests {
+    ($($anything:tt)*) => {};
+}
+
+include!("../../tests/autocast_numerics/helpers.rs");
+
+#[path = "../../tests/autocast_numerics/attention.rs"]
+mod attention;
+#[path = "../../tests/autocast_numerics/cast_cache.rs"]
+mod cast_cache;
+#[path = "../../tests/autocast_numerics/deform_conv.rs"]
+mod deform_conv;
+#[path = "../../tests/autocast_numerics/interpolate.rs"]
+mod interpolate;
+#[path = "../../tests/autocast_numerics/pooling.rs"]
+mod pooling;
+#[path = "../../tests/autocast_numerics/products.rs"]
+mod products;
+#[path = "../../tests/autocast_numerics/random_graphs/mod.rs"]
+mod random_graphs;
+#[path = "../../tests/autocast_numerics/recompute.rs"]
+mod recompute;
+#[path = "../../tests/autocast_numerics/shared_casts.rs"]
+mod shared_casts;
+#[path = "../../tests/autocast_numerics/upcast.rs"]
+mod upcast;
+#[path = "../../tests/autocast_numerics/workarounds.rs"]
+mod workarounds;
+
+use random_graphs::{Agreement, STEPS, UNFUSED_CANNOT};
+
+/// A check at one precision on the fused backend.
+type AtPrecision<T> = fn(&Device<T>, Precision);
+
+/// The precision-parameterized checks of the tests, by name.
+fn at_precision<T: Target>() -> Vec<(&'static str, AtPrecision<T>)> {
+    type F<T> = <T as Target>::Fused;
+    vec![
+        (
+            "cast_cache: cached gradients are those of a cast per use",
+            cast_cache::cached_gradients_are_those_of_a_cast_per_use::<F<T>> as AtPrecision<T>,
+        ),
+        (
+            "cast_cache: two graphs over one copy keep their gradients",
+            cast_cache::two_graphs_over_one_copy_keep_their_gradients::<F<T>> as AtPrecision<T>,
+        ),
+        (
+            "shared_casts: shared gradients are those of a cast per use",
+            shared_casts::shared_gradients_are_those_of_a_cast_per_use::<F<T>> as AtPrecision<T>,
+        ),
+        (
+            "upcast: recomputed gradients are those of a kept cast",
+            upcast::recomputed_gradients_are_those_of_a_kept_cast::<F<T>> as AtPrecision<T>,
+        ),
+        (
+            "recompute: recomputed gradients are those of kept outputs",
+            recompute::recomputed_gradients_are_those_of_kept_outputs::<F<T>> as AtPrecision<T>,
+        ),
+        (
+            "pooling: average pooling against f32",
+            pooling::pooling_matches_f32::<F<T>> as AtPrecision<T>,
+        ),
+        (
+            "pooling: backward of 64x64 windows",
+            (|_, precision| pooling::pooling_backward::<Amp<Autodiff<F<T>>>>(precision))
+                as AtPrecision<T>,
+        ),
+        (
+            "deform_conv: against f32 at large coordinates",
+            deform_conv::deform_conv_matches_f32::<F<T>> as AtPrecision<T>,
+        ),
+        (
+            "attention: softmax in f32 (large logits, 70,000 keys), gradients",
+            (|_, precision| attention::check_attention::<Amp<Autodiff<F<T>>>>(precision, true))
+                as AtPrecision<T>,
+        ),
+    ]
+}
+
+/// Runs the numerics part within `budget`; returns how many cases failed.
+pub fn run<T: Target>(
+    device: &Device<T>,
+    lows: &[Precision],
+    budget: Duration,
+    report: &mut Report,
+) -> usize {
+    type F<T> = <T as Target>::Fused;
+    let deadline = Instant::now() + budget;
+    let mut failed = 0;
+    let mut case = |suite: &str,
+                    name: &str,
+                    dtype: &str,
+                    f: &mut dyn FnMut() -> Result<String, String>| {
+        if Instant::now() >= deadline {
+            report.emit(json!({"kind": "skipped", "suite": suite, "case": name, "dtype": dtype,
+                "why": format!("the numerics part's {} s were spent (--numerics-seconds)", budget.as_secs())}));
+            return;
+        }
+        eprintln!("gpu_check: {suite}: {name} {dtype}");
+        let outcome: Outcome = timed(|| f());
+        failed += usize::from(outcome.error.is_some());
+        report.emit(json!({
+            "kind": "correctness", "suite": suite, "case": name, "variant": "fusion",
+            "dtype": dtype, "ok": outcome.error.is_none(), "error": outcome.error,
+            "detail": outcome.detail, "ms": outcome.ms,
+        }));
+    };
+    let ok = |what: &str| Ok::<String, String>(what.to_string());
+
+    for &precision in lows {
+        for (name, check) in at_precision::<T>() {
+            case("numerics", name, &precision.to_string(), &mut || {
+                check(device, precision);
+                ok("as in tests/autocast_numerics")
+            });
+        }
+    }
+
+    // f32 matmuls may run in TF32 on CUDA: 2e-3 rather than 1e-5 for interpolation's backward.
+    let matmul_tolerance = if T::TF32 { 2e-3 } else { 1e-5 };
+    let workarounds: Vec<(&str, Box<dyn Fn() -> Result<String, String> + '_>)> = vec![
+        (
+            "products: prod, prod_dim, cumprod with signs and zeros against f64, values and gradients",
+            Box::new(|| {
+                products::check::<Amp<Autodiff<F<T>>>>(device, T::NAME);
+                products::transposed::<Amp<Autodiff<F<T>>>>(device, T::NAME);
+                ok("within 1e-6 of the f64 reference, transposed views too")
+            }),
+        ),
+        (
+            "interpolate: backward of bilinear, bicubic, lanczos3 against Flex's",
+            Box::new(move || {
+                interpolate::backpropagates_as_on_flex::<F<T>>(device, T::NAME, matmul_tolerance);
+                Ok(format!(
+                    "4 modes x align_corners x 3 sizes within {matmul_tolerance:e} of Flex"
+                ))
+            }),
+        ),
+        (
+            "picks broadcast by fused ops",
+            Box::new(|| {
+                let plain = workarounds::picks_are_right::<F<T>>(device);
+                workarounds::pick_gradients_are_right::<F<T>>(device);
+                let plain: Vec<String> = plain
+                    .iter()
+                    .map(|(pick, n)| format!("{pick} {n}"))
+                    .collect();
+                Ok(format!(
+                    "Flex's values and gradients under Amp; plain {} gets wrong: {}",
+                    T::NAME,
+                    plain.join(", ")
+                ))
+            }),
+        ),
+        (
+            "avg_pool2d over the whole map (1x1 output): the input's gradient against Flex's",
+            Box::new(|| {
+                workarounds::global_pools_backpropagate_right::<F<T>>(device);
+                ok("6 pools within 1e-6 of Flex, Amp above and below autodiff")
+            }),
+        ),
+    ];
+    for (name, check) in &workarounds {
+        case("workarounds", name, "", &mut || check());
+    }
+
+    // Random graphs while time lasts, at least one seed each (so that the code runs in CI).
+    failed += graphs_while_time_lasts::<T>(device, lows, deadline, report);
+
+    // Last, as it reads past a buffer's end (wgpu refuses; CUDA may not notice, or may
+    // fault and end the device's stream): whether plain Burn has the pool defect here too.
+    let plain = timed(|| {
+        let (wrong, of) = workarounds::plain_global_pool_wrong::<F<T>>(device);
+        Ok(format!(
+            "plain {} gets {wrong} of {of} gradient values wrong",
+            T::NAME
+        ))
+    });
+    report.emit(json!({
+        "kind": "info", "suite": "workarounds", "case": "plain Burn: a global pool's gradient",
+        "detail": plain.detail, "error": plain.error, "ms": plain.ms,
+    }));
+    failed
+}
+
+/// The random graphs of `tests/autocast_numerics/random_graphs`, seed after seed until
+/// `deadline`: one JSON line per comparison, with the seeds run and the first failures.
+fn graphs_while_time_lasts<T: Target>(
+    device: &Device<T>,
+    lows: &[Precision],
+    deadline: Instant,
+    report: &mut Report,
+) -> usize {
+    type F<T> = <T as Target>::Fused;
+    type U<T> = <T as Target>::Bare;
+    // With TF32 a graph's f32 results move by about 1e-3 (relative) wherever a matmul runs:
+    // tolerances follow from how much such a move of the inputs moves the graph.
+    let f32_agreement = if T::TF32 {
+        Agreement {
+            floor: 1e-3,
+            perturbation: Some(1e-3),
+        }
+    } else {
+        Agreement {
+            floor: 1e-4,
+            perturbation: None,
+        }
+    };
+    let mut leave_out = UNFUSED_CANNOT.to_vec();
+    if T::TF32 {
+        leave_out.extend_from_slice(STEPS);
+    }
+    let cross = [UNFUSED_CANNOT, STEPS].concat();
+    let flex = Default::default();
+    let d = device;
+    type Comparison<'a> = Box<dyn Fn(u64) -> bool + 'a>;
+    let mut comparisons: Vec<(String, Comparison<'_>)> = vec![(
+        "fused against unfused, f32".into(),
+        Box::new(|seed| {
+            random_graphs::backends_agree_on::<F<T>, U<T>>(
+                seed,
+                ("fused", d),
+                ("unfused", d),
+                Precision::F32,
+                f32_agreement,
+                &leave_out,
+            )
+        }),
+    )];
+    for &precision in lows {
+        let agreement = match precision {
+            Precision::Bf16 => Agreement {
+                floor: 5e-2,
+                perturbation: Some(4e-3),
+            },
+            _ => Agreement {
+                floor: 2e-2,
+                perturbation: T::TF32.then_some(1e-3),
+            },
+        };
+        let leave_out = &leave_out;
+        comparisons.push((
+            format!("fused against unfused, {precision}"),
+            Box::new(move |seed| {
+                random_graphs::backends_agree_on::<F<T>, U<T>>(
+                    seed,
+                    ("fused", d),
+                    ("unfused", d),
+                    precision,
+                    agreement,
+                    leave_out,
+                )
+            }),
+        ));
+    }
+    comparisons.push((
+        "Flex against unfused, f32".into(),
+        Box::new(|seed| {
+            random_graphs::backends_agree_on::<Flex, U<T>>(
+                seed,
+                ("Flex", &flex),
+                ("unfused", d),
+                Precision::F32,
+                Agreement {
+                    floor: 1e-2,
+                    perturbation: Some(if T::TF32 { 1e-3 } else { 1e-7 }),
+                },
+                &cross,
+            )
+        }),
+    ));
+    for &precision in lows {
+        comparisons.push((
+            format!("every saving on and off, {precision}"),
+            Box::new(move |seed| {
+                random_graphs::savings_change_no_value_on::<F<T>>(seed, d, precision, 24);
+                true
+            }),
+        ));
+    }
+
+    struct Tally {
+        ran: usize,
+        left_out: usize,
+        failures: Vec<String>,
+        ms: f64,
+    }
+    let mut tallies: Vec<Tally> = comparisons
+        .iter()
+        .map(|_| Tally {
+            ran: 0,
+            left_out: 0,
+            failures: Vec::new(),
+            ms: 0.0,
+        })
+        .collect();
+    eprintln!("gpu_check: random graphs until the numerics part's time is spent");
+    let mut seed = 0;
+    loop {
+        for ((_, compare), tally) in comparisons.iter().zip(&mut tallies) {
+            let start = Instant::now();
+            match catch_unwind(AssertUnwindSafe(|| compare(seed))) {
+                Ok(true) => tally.ran += 1,
+                Ok(false) => tally.left_out += 1,
+                Err(panic) => {
+                    tally.ran += 1;
+                    tally.failures.push(panic_message(panic));
+                }
+            }
+            tally.ms += start.elapsed().as_secs_f64() * 1e3;
+        }
+        seed += 1;
+        if Instant::now() >= deadline {
+            break;
+        }
+    }
+    let mut failed = 0;
+    for ((name, _), tally) in comparisons.iter().zip(&tallies) {
+        let ok = tally.failures.is_empty();
+        failed += usize::from(!ok);
+        let summary = format!(
+            "seeds 0..{seed}: {} graphs compared, {} left out (ops this comparison cannot hold), {} failed",
+            tally.ran,
+            tally.left_out,
+            tally.failures.len()
+        );
+        let first: Vec<&String> = tally.failures.iter().take(3).collect();
+        report.emit(json!({
+            "kind": "correctness", "suite": "random graphs", "case": name, "variant": "fusion",
+            "dtype": "", "ok": ok,
+            "error": (!ok).then(|| format!("{summary}; the first: {first:?}")),
+            "detail": ok.then_some(summary), "ms": tally.ms,
+        }));
+    }
+    failed
+}
