@@ -9,8 +9,9 @@
 //!   gradient now and then; under `Amp`, never.
 //! - a sum or mean along dimension 0 of a transposed view on Flex: wrong in plain Flex (or a
 //!   panic, flipped); under `Amp`, the packed tensor's.
-//! - the gradient of a global average pool (a 1×1 output) on CubeCL: wrong in plain wgpu
-//!   when the channels are not a multiple of 4 (a panic below 4); under `Amp`, Flex's.
+//! - the gradient of an average pool on CubeCL whose output is 1×1 or permuted to
+//!   channels-last: wrong in plain wgpu when the channels are not a multiple of 4 (a panic
+//!   below 4); under `Amp`, Flex's.
 //!
 //! Products (`exp(sum(log x))` under burn-autodiff) are `products.rs`'s.
 
@@ -426,65 +427,77 @@ fn bias_gradients_through_transposed_cats_are_right_on_flex() {
     }
 }
 
-/// A pool's kernel (and stride), padding and `count_include_pad`.
-type GlobalPool = ([usize; 2], [usize; 2], bool);
+/// An average pool: kernel, stride, padding, `count_include_pad`; and whether its output is
+/// permuted to channels-last next (its gradient then arrives channels-last).
+type AvgPool = ([usize; 2], [usize; 2], [usize; 2], bool, bool);
 
-/// Global average pools (one window over the map: a 1×1 output): the input's gradient and
-/// the output on `B`, for `[n, c, h, w]` ramps weighted per output by a fixed ramp.
-fn global_pool<B: burn::tensor::backend::AutodiffBackend>(
+/// The output and the input's gradient of an average pool on `B`, for `[n, c, h, w]` ramps,
+/// each output weighted by a fixed ramp.
+fn avg_pooled<B: burn::tensor::backend::AutodiffBackend>(
     [n, c, h, w]: [usize; 4],
-    (kernel, padding, count_include_pad): GlobalPool,
+    (kernel, stride, padding, count_include_pad, channels_last): AvgPool,
     device: &B::Device,
 ) -> (Vec<f32>, Vec<f32>) {
     let mut rng = Rng::new(31);
     let xv: Vec<f32> = (0..n * c * h * w).map(|_| on_grid(rng.unit())).collect();
-    let wv: Vec<f32> = (0..n * c).map(|i| 1.0 + i as f32 * 0.25).collect();
     let x = Tensor::<B, 4>::from_data(TensorData::new(xv, [n, c, h, w]), device).require_grad();
-    let weights = Tensor::<B, 4>::from_data(TensorData::new(wv, [n, c, 1, 1]), device);
     let y = burn::tensor::module::avg_pool2d(
         x.clone(),
         kernel,
-        kernel,
+        stride,
         padding,
         count_include_pad,
         false,
     );
-    assert_eq!(y.dims(), [n, c, 1, 1], "a global pool");
+    let y = if channels_last {
+        y.permute([0, 2, 3, 1])
+    } else {
+        y
+    };
+    let m = y.shape().num_elements();
+    let wv: Vec<f32> = (0..m).map(|i| 1.0 + (i % 7) as f32 * 0.25).collect();
+    let weights = Tensor::<B, 4>::from_data(TensorData::new(wv, y.dims()), device);
     let grad = x
         .grad(&(y.clone() * weights).sum().backward())
         .expect("x's gradient");
     (values(y), values(grad))
 }
 
-/// The shapes and pools of [`global_pools_backpropagate_right`]: channels that are not a
-/// multiple of 4 (wrong in plain Burn on CubeCL, or a panic below 4), one that is, a
-/// rectangle, and padding counted or not.
-const GLOBAL_POOLS: [([usize; 4], GlobalPool); 6] = [
-    ([1, 5, 8, 8], ([8, 8], [0, 0], true)),
-    ([1, 2, 8, 8], ([8, 8], [0, 0], true)),
-    ([3, 3, 8, 8], ([8, 8], [0, 0], true)),
-    ([2, 4, 8, 8], ([8, 8], [0, 0], true)),
-    ([1, 3, 6, 8], ([6, 8], [0, 0], true)),
-    ([1, 3, 8, 8], ([10, 10], [1, 1], false)),
+/// The pools of [`avg_pool_gradients_are_right`]. Global (a 1×1 output): channels that are
+/// not a multiple of 4 (wrong in plain Burn on CubeCL, or a panic below 4), one that is, a
+/// rectangle, padding not counted. Then outputs permuted to channels-last (wrong in plain
+/// Burn), with overlapping, padded windows too; and one plain pool (right in plain Burn).
+const AVG_POOLS: [([usize; 4], AvgPool); 11] = [
+    ([1, 5, 8, 8], ([8, 8], [8, 8], [0, 0], true, false)),
+    ([1, 2, 8, 8], ([8, 8], [8, 8], [0, 0], true, false)),
+    ([3, 3, 8, 8], ([8, 8], [8, 8], [0, 0], true, false)),
+    ([2, 4, 8, 8], ([8, 8], [8, 8], [0, 0], true, false)),
+    ([1, 3, 6, 8], ([6, 8], [6, 8], [0, 0], true, false)),
+    ([1, 3, 8, 8], ([10, 10], [10, 10], [1, 1], false, false)),
+    ([1, 6, 8, 8], ([2, 2], [2, 2], [0, 0], true, true)),
+    ([1, 5, 8, 8], ([4, 4], [4, 4], [0, 0], true, true)),
+    ([1, 10, 4, 4], ([2, 2], [2, 2], [0, 0], true, true)),
+    ([1, 6, 8, 8], ([3, 3], [1, 1], [1, 1], false, true)),
+    ([1, 6, 8, 8], ([2, 2], [2, 2], [0, 0], true, false)),
 ];
 
-/// Every pool of [`GLOBAL_POOLS`] under `Amp` above autodiff on `X` (at F32 and F16) and
-/// below it (`Autodiff<Amp<X>>`): the output and the input's gradient within 1e-6 of plain
-/// Flex's (right there). The GPU check runs it on CUDA.
-pub(crate) fn global_pools_backpropagate_right<X: Backend>(device: &X::Device) {
-    for (shape, pool) in GLOBAL_POOLS {
-        let (want_y, want_grad) = global_pool::<Autodiff<Flex>>(shape, pool, &Default::default());
+/// Every pool of [`AVG_POOLS`] under `Amp` above autodiff on `X` (at F32 and F16) and below
+/// it (`Autodiff<Amp<X>>`): the output and the input's gradient within 1e-6 of plain Flex's
+/// (right there). The GPU check runs it on CUDA.
+pub(crate) fn avg_pool_gradients_are_right<X: Backend>(device: &X::Device) {
+    for (shape, pool) in AVG_POOLS {
+        let (want_y, want_grad) = avg_pooled::<Autodiff<Flex>>(shape, pool, &Default::default());
         let mut runs = Vec::new();
         for precision in [Precision::F32, Precision::F16] {
             let _g = autocast(precision);
             runs.push((
                 format!("Amp over autodiff at {precision:?}"),
-                global_pool::<Amp<Autodiff<X>>>(shape, pool, device),
+                avg_pooled::<Amp<Autodiff<X>>>(shape, pool, device),
             ));
         }
         runs.push((
             "autodiff over Amp".into(),
-            global_pool::<Autodiff<Amp<X>>>(shape, pool, device),
+            avg_pooled::<Autodiff<Amp<X>>>(shape, pool, device),
         ));
         for (what, (y, grad)) in runs {
             let what = format!("{shape:?}, pool {pool:?}, {what}");
@@ -498,29 +511,37 @@ pub(crate) fn global_pools_backpropagate_right<X: Backend>(device: &X::Device) {
     }
 }
 
-/// burn-cubecl 0.21's `avg_pool2d_backward` reads a 1×1 output's gradient 4 values at a time
-/// over the channels: wrong values with 5 channels, a wgpu validation panic with 2. Under
-/// `Amp` the gradient is Flex's; plain wgpu still gets it wrong (fixed in a later Burn, the
-/// canary fails: drop the workaround then).
+/// burn-cubecl 0.21's `avg_pool2d_backward` reads the output gradient's channels 4 at a time
+/// when they are adjacent (a 1×1 output, or a gradient arriving channels-last): wrong values
+/// with 5 or 6 channels, a wgpu validation panic with 2. Under `Amp` the gradient is Flex's;
+/// plain wgpu still gets it wrong (fixed in a later Burn, the canary fails: drop the
+/// workaround then).
 #[test]
-fn global_average_pool_gradients_are_right_on_wgpu() {
+fn avg_pool_gradients_are_right_on_wgpu() {
     let Some(device) = common::wgpu_device() else {
         return;
     };
-    global_pools_backpropagate_right::<Wgpu>(&device);
-    let (wrong, of) = plain_global_pool_wrong::<Wgpu>(&device);
-    assert!(
-        wrong > 0,
-        "plain Autodiff<Wgpu> gets a global pool's gradient right now: the defect is fixed"
-    );
-    eprintln!("plain Autodiff<Wgpu>: {wrong} of {of} gradient values wrong");
+    avg_pool_gradients_are_right::<Wgpu>(&device);
+    for (what, wrong, of) in plain_avg_pool_wrong::<Wgpu>(&device) {
+        assert!(
+            wrong > 0,
+            "plain Autodiff<Wgpu> gets a {what} pool's gradient right now: the defect is fixed"
+        );
+        eprintln!("plain Autodiff<Wgpu>, {what}: {wrong} of {of} gradient values wrong");
+    }
 }
 
-/// How many of the gradient values of the first of [`GLOBAL_POOLS`] plain `Autodiff<X>` gets
-/// wrong, of how many.
-pub(crate) fn plain_global_pool_wrong<X: Backend>(device: &X::Device) -> (usize, usize) {
-    let (shape, pool) = GLOBAL_POOLS[0];
-    let (_, want) = global_pool::<Autodiff<Flex>>(shape, pool, &Default::default());
-    let (_, plain) = global_pool::<Autodiff<X>>(shape, pool, device);
-    (wrong(&plain, &want), want.len())
+/// How many gradient values plain `Autodiff<X>` gets wrong, of how many, for the first
+/// global pool and the first channels-last one of [`AVG_POOLS`].
+pub(crate) fn plain_avg_pool_wrong<X: Backend>(
+    device: &X::Device,
+) -> Vec<(&'static str, usize, usize)> {
+    [("global", AVG_POOLS[0]), ("channels-last", AVG_POOLS[6])]
+        .into_iter()
+        .map(|(what, (shape, pool))| {
+            let (_, want) = avg_pooled::<Autodiff<Flex>>(shape, pool, &Default::default());
+            let (_, plain) = avg_pooled::<Autodiff<X>>(shape, pool, device);
+            (what, wrong(&plain, &want), want.len())
+        })
+        .collect()
 }

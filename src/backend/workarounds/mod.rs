@@ -33,9 +33,10 @@
 //! **CubeCL has no backward for bilinear, bicubic or lanczos3 `interpolate`** (a panic):
 //! `Amp` builds the node on wgpu and CUDA, with a separable backward ([`interpolate`]).
 //!
-//! **CubeCL's `avg_pool2d` backward reads a 1×1 output's gradient 4 values at a time** over
-//! channels it may not have (wrong values, or a wgpu validation panic): `Amp` computes that
-//! gradient itself, exactly ([`pooling`]).
+//! **CubeCL's `avg_pool2d` backward reads 4 channels at a time** where the output gradient's
+//! channels are adjacent (a 1×1 output, a gradient arriving channels-last), over channels
+//! that may not come in fours (wrong values, or a wgpu validation panic): `Amp` computes a
+//! 1×1 output's gradient itself and hands the kernel any other one packed ([`pooling`]).
 //!
 //! **Flex sums a transposed view's rows as if they were packed** ([`flex_views`]): wrong
 //! `sum_dim` and `mean_dim` in f32, or a panic; in the forward and in burn-autodiff's

@@ -1,22 +1,31 @@
-//! The gradient of a global `avg_pool2d` on CubeCL. burn-cubecl 0.21's `avg_pool2d_backward`
-//! reads the output gradient in channels-last order with a vector width taken from the
-//! *input's* last dimension (the width, in NCHW), when the two have equal innermost strides:
-//! true exactly when the output is 1×1 (a window over the whole map, as a CNN's head pools).
-//! Then a width that is a multiple of 4 gives 4-wide reads over the channels: with `n · c`
-//! not a multiple of 4 the gradient is wrong (48 of 320 values for `[1, 5, 8, 8]`), or wgpu
-//! rejects the dispatch ("bound with size 8 where the shader expects 16", a panic) when
-//! `n · c < 4`. Any output larger than 1×1 reads one value at a time, and is right.
+//! The gradient of `avg_pool2d` on CubeCL. burn-cubecl 0.21's `avg_pool2d_backward` reads the
+//! output gradient channels-last, with a vector width taken from the *input's* last dimension
+//! (the width, in NCHW) whenever the two have equal innermost strides: whenever the output
+//! gradient's channels are adjacent in memory. Then a width that is a multiple of 4 gives
+//! 4-wide reads over channels that may not come in fours: wrong values (240 of 320 for
+//! `[1, 5, 8, 8]` pooled 8×8), or a wgpu validation panic ("bound with size 8 where the
+//! shader expects 16") when fewer than 4 values are there. Two cases make the channels
+//! adjacent:
+//! - a 1×1 output (one window over the whole map, as a CNN's head pools), in any layout;
+//! - a gradient that arrives channels-last, as it does when the pooled map is permuted to
+//!   channels-last next (`y.permute([0, 2, 3, 1])`, before a linear layer): 224 of 384
+//!   values wrong for `[1, 6, 8, 8]` pooled 2×2.
 //!
 //! For a 1×1 output the gradient needs no kernel: each input position inside the window gets
 //! the output's gradient times the same weight, `1 / divisor`, and the rest 0. The weight is
 //! read off the backend's own forward on a map of ones (which averages `valid` ones: it is
 //! `valid / divisor`), so padding, `count_include_pad` and `ceil_mode` mean what the backend
-//! means by them. Under `Amp` above autodiff, such a pool is a node with this backward (on
-//! wgpu and CUDA; Flex is right); below it, `Amp`'s `avg_pool2d_backward` computes it.
+//! means by them. Any other output's gradient is first copied into a packed NCHW tensor (a
+//! `cat` of the one tensor), whose channels are `out_h · out_w` apart: the kernel then reads
+//! one value at a time, and is right. Under `Amp` above autodiff, `avg_pool2d` is a node
+//! with this backward (on wgpu and CUDA; Flex is right), keeping the input as burn-autodiff
+//! does (checkpointed), or nothing for a 1×1 output; below it, `Amp`'s `avg_pool2d_backward`
+//! does the same.
 
 use core::any::TypeId;
 
 use burn::backend::Flex;
+use burn::backend::autodiff::NodeId;
 use burn::backend::autodiff::checkpoint::base::Checkpointer;
 use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
 use burn::backend::autodiff::grads::Gradients;
@@ -64,6 +73,18 @@ impl AvgPool {
         (0, end)
     }
 
+    fn backward<X: Backend>(&self, x: FloatTensor<X>, grad: FloatTensor<X>) -> FloatTensor<X> {
+        X::avg_pool2d_backward(
+            x,
+            grad,
+            self.kernel_size,
+            self.stride,
+            self.padding,
+            self.count_include_pad,
+            self.ceil_mode,
+        )
+    }
+
     fn forward<X: Backend>(&self, x: FloatTensor<X>) -> FloatTensor<X> {
         X::avg_pool2d(
             x,
@@ -76,8 +97,8 @@ impl AvgPool {
     }
 }
 
-/// `B`'s `avg_pool2d`; under autodiff on wgpu and CUDA, a pool with a 1×1 output is a node
-/// with the exact backward of the module docs.
+/// `B`'s `avg_pool2d`; under autodiff on wgpu and CUDA, a node with the backward of the
+/// module docs.
 pub(crate) fn avg_pool2d<B: Backend>(
     x: FloatTensor<B>,
     kernel_size: [usize; 2],
@@ -106,17 +127,13 @@ pub(crate) fn avg_pool2d<B: Backend>(
         count_include_pad,
         ceil_mode,
     };
-    if !pool.is_global(&x.shape()) {
-        return pool.forward::<B>(x);
-    }
     match dispatch::<B, _>(Call { x, pool }) {
         Ok(Ok(out)) => out,
         Ok(Err(call)) | Err(call) => call.pool.forward::<B>(call.x),
     }
 }
 
-/// `B`'s `avg_pool2d_backward`, but for a 1×1 output (not on Flex, which is right), the exact
-/// gradient of the module docs.
+/// `B`'s `avg_pool2d_backward`, as the module docs say (Flex's as it is: it is right).
 pub(crate) fn avg_pool2d_backward<B: Backend>(
     x: FloatTensor<B>,
     grad: FloatTensor<B>,
@@ -133,51 +150,56 @@ pub(crate) fn avg_pool2d_backward<B: Backend>(
         count_include_pad,
         ceil_mode,
     };
-    let flex = TypeId::of::<B>() == TypeId::of::<Flex>();
-    if flex || !pool.is_global(&x.shape()) {
-        return B::avg_pool2d_backward(
-            x,
-            grad,
-            kernel_size,
-            stride,
-            padding,
-            count_include_pad,
-            ceil_mode,
-        );
+    if TypeId::of::<B>() == TypeId::of::<Flex>() {
+        return pool.backward::<B>(x, grad);
     }
-    let device = B::float_device(&x);
-    global_backward::<B>(&pool, &x.shape(), x.dtype(), &device, grad)
+    if pool.is_global(&x.shape()) {
+        let device = B::float_device(&x);
+        return global_backward::<B>(&pool, &x.shape(), x.dtype(), &device, grad);
+    }
+    pool.backward::<B>(x, B::float_cat(vec![grad], 1))
 }
 
 fn node<X: Backend, C: CheckpointStrategy>(
     x: AutodiffTensor<X>,
     pool: AvgPool,
 ) -> AutodiffTensor<X> {
-    match GlobalAvgPoolBackward
+    match AvgPoolBackward
         .prepare::<C>([x.node.clone()])
         .compute_bound()
         .stateful()
     {
-        OpsKind::Tracked(prep) => {
-            let state = (x.primitive.shape(), x.primitive.dtype(), pool);
+        OpsKind::Tracked(mut prep) => {
+            let (shape, dtype) = (x.primitive.shape(), x.primitive.dtype());
+            // A 1×1 output's gradient needs the input's shape only.
+            let input = (!pool.is_global(&shape)).then(|| prep.checkpoint(&x));
             let out = pool.forward::<X>(x.primitive);
-            prep.finish(state, out)
+            prep.finish((input, shape, dtype, pool), out)
         }
         OpsKind::UnTracked(prep) => prep.finish(pool.forward::<X>(x.primitive)),
     }
 }
 
 #[derive(Debug)]
-struct GlobalAvgPoolBackward;
+struct AvgPoolBackward;
 
-impl<X: Backend> Backward<X, 1> for GlobalAvgPoolBackward {
-    type State = (Shape, burn_std::DType, AvgPool);
+impl<X: Backend> Backward<X, 1> for AvgPoolBackward {
+    type State = (Option<NodeId>, Shape, burn_std::DType, AvgPool);
 
-    fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _: &mut Checkpointer) {
-        let (shape, dtype, pool) = ops.state;
-        unary::<X, _>(ops.parents, ops.node, grads, |g| {
-            let device = X::float_device(&g);
-            global_backward::<X>(&pool, &shape, dtype, &device, g)
+    fn backward(
+        self,
+        ops: Ops<Self::State, 1>,
+        grads: &mut Gradients,
+        checkpointer: &mut Checkpointer,
+    ) {
+        let (input, shape, dtype, pool) = ops.state;
+        let x: Option<FloatTensor<X>> = input.map(|id| checkpointer.retrieve_node_output(id));
+        unary::<X, _>(ops.parents, ops.node, grads, |g| match x {
+            Some(x) => pool.backward::<X>(x, X::float_cat(vec![g], 1)),
+            None => {
+                let device = X::float_device(&g);
+                global_backward::<X>(&pool, &shape, dtype, &device, g)
+            }
         });
     }
 }
