@@ -141,6 +141,10 @@ def report(burn, torch):
                 tags = ", ".join(t for t in (r.get("variant"), r.get("dtype")) if t)
                 where = f"{r.get('suite')} / {r.get('case')}" + (f" ({tags})" if tags else "")
                 lines.append(f"- {where}: {short(r.get('error') or '(no message)')}")
+        graphs = [r for r in cases if r.get("suite") == "random graphs" and r.get("ok") is True]
+        if graphs:
+            lines += ["", "Random graphs (how many the numerics part's time allowed):", ""]
+            lines += [f"- {r.get('case')}: {short(r.get('detail') or DASH)}" for r in graphs]
     else:
         lines.append("No correctness records.")
 
