@@ -49,6 +49,8 @@ mod pooling;
 mod products;
 #[path = "../../tests/autocast_numerics/random_graphs/mod.rs"]
 mod random_graphs;
+#[path = "../../tests/autocast_numerics/random_pools.rs"]
+mod random_pools;
 #[path = "../../tests/autocast_numerics/recompute.rs"]
 mod recompute;
 #[path = "../../tests/autocast_numerics/shared_casts.rs"]
@@ -188,6 +190,18 @@ pub fn run<T: Target>(
             Box::new(|| {
                 workarounds::avg_pool_gradients_are_right::<F<T>>(device);
                 ok("11 pools within 1e-6 of Flex, Amp above and below autodiff")
+            }),
+        ),
+        (
+            "200 random pools (avg, max, adaptive; 2d, 1d; channels-last too) against Flex's",
+            Box::new(|| {
+                let (compared, padding_windows, _) =
+                    random_pools::random_pools_agree_with_flex::<F<T>>(device, 200, false);
+                Ok(format!(
+                    "{compared} compared ({padding_windows} with a ceil_mode window of padding \
+                     alone), outputs and gradients within 1e-5 of Flex, Amp above and below \
+                     autodiff"
+                ))
             }),
         ),
     ];

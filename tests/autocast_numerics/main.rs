@@ -45,6 +45,7 @@ mod pooling;
 mod probabilities;
 mod products;
 mod random_graphs;
+mod random_pools;
 mod recompute;
 mod shared_casts;
 mod support;

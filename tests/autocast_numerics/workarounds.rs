@@ -449,18 +449,7 @@ fn avg_pooled<B: burn::tensor::backend::AutodiffBackend>(
         count_include_pad,
         false,
     );
-    let y = if channels_last {
-        y.permute([0, 2, 3, 1])
-    } else {
-        y
-    };
-    let m = y.shape().num_elements();
-    let wv: Vec<f32> = (0..m).map(|i| 1.0 + (i % 7) as f32 * 0.25).collect();
-    let weights = Tensor::<B, 4>::from_data(TensorData::new(wv, y.dims()), device);
-    let grad = x
-        .grad(&(y.clone() * weights).sum().backward())
-        .expect("x's gradient");
-    (values(y), values(grad))
+    super::random_pools::output_and_gradient(&x, y, channels_last, device)
 }
 
 /// The pools of [`avg_pool_gradients_are_right`]. Global (a 1×1 output): channels that are

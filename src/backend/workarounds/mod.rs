@@ -37,6 +37,8 @@
 //! channels are adjacent (a 1×1 output, a gradient arriving channels-last), over channels
 //! that may not come in fours (wrong values, or a wgpu validation panic): `Amp` computes a
 //! 1×1 output's gradient itself and hands the kernel any other one packed ([`pooling`]).
+//! **A `ceil_mode` average over padding alone is 0 / 0 on CubeCL** (NaN): `Amp` makes it 0,
+//! as Flex does ([`pooling`]).
 //!
 //! **Flex sums a transposed view's rows as if they were packed** ([`flex_views`]): wrong
 //! `sum_dim` and `mean_dim` in f32, or a panic; in the forward and in burn-autodiff's
@@ -52,7 +54,7 @@ pub(crate) use flex_views::{
     float_mean_dim, float_permute, float_sum_dim, float_swap_dims, float_transpose,
 };
 pub(crate) use interpolate::interpolate;
-pub(crate) use pooling::{avg_pool2d, avg_pool2d_backward};
+pub(crate) use pooling::{avg_pool1d, avg_pool2d, avg_pool2d_backward};
 pub(crate) use products::{float_cumprod, float_prod, float_prod_dim};
 
 use burn_backend::Backend;

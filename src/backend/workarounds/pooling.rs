@@ -21,6 +21,15 @@
 //! with this backward (on wgpu and CUDA; Flex is right), keeping the input as burn-autodiff
 //! does (checkpointed), or nothing for a 1×1 output; below it, `Amp`'s `avg_pool2d_backward`
 //! does the same.
+//!
+//! **`ceil_mode` windows of padding alone.** Burn 0.21's pool output size lacks PyTorch's
+//! rule that the last window starts inside the input or its left padding, so with
+//! `ceil_mode` a pool may have a last output whose window lies in the right padding alone
+//! (width 3, kernel 2, stride 2, padding 1: three outputs where PyTorch has two). With
+//! `count_include_pad = false` CubeCL averages no element there, 0 / 0: NaN (Flex: 0), and
+//! a NaN loss reads as an overflow to the loss scaler, every step skipped. `Amp` keeps
+//! Burn's shapes (a model sized for them keeps working) and makes such outputs 0, as Flex
+//! does; their gradient reaches no input. `avg_pool1d` goes through the same code.
 
 use core::any::TypeId;
 
@@ -86,14 +95,44 @@ impl AvgPool {
     }
 
     fn forward<X: Backend>(&self, x: FloatTensor<X>) -> FloatTensor<X> {
-        X::avg_pool2d(
+        let shape = x.shape();
+        let out = X::avg_pool2d(
             x,
             self.kernel_size,
             self.stride,
             self.padding,
             self.count_include_pad,
             self.ceil_mode,
-        )
+        );
+        if self.count_include_pad || TypeId::of::<X>() == TypeId::of::<Flex>() {
+            return out;
+        }
+        // Windows of padding alone average nothing: 0, as on Flex, not CubeCL's 0 / 0.
+        let out_shape = out.shape();
+        let mut out = out;
+        for i in 0..2 {
+            let first = self.first_padding_window(i, shape[2 + i]);
+            if first >= out_shape[2 + i] {
+                continue;
+            }
+            let mut dims = out_shape.clone();
+            dims[2 + i] = out_shape[2 + i] - first;
+            let zeros = X::float_zeros(dims, &X::float_device(&out), out.dtype().into());
+            let mut slices: Vec<Slice> = (0..4)
+                .map(|d| Slice::new(0, Some(out_shape[d] as isize), 1))
+                .collect();
+            slices[2 + i] = Slice::new(first as isize, Some(out_shape[2 + i] as isize), 1);
+            out = X::float_slice_assign(out, &slices, zeros);
+        }
+        out
+    }
+
+    /// The first output along axis `i` whose window starts past the input (in the right
+    /// padding alone): Burn's `ceil_mode` makes such windows, PyTorch's does not.
+    fn first_padding_window(&self, i: usize, size: usize) -> usize {
+        // Window `o` starts at `o · stride − padding`; past the input from `o ≥ (size +
+        // padding) / stride`, rounded up.
+        (size + self.padding[i]).div_ceil(self.stride[i])
     }
 }
 
@@ -131,6 +170,31 @@ pub(crate) fn avg_pool2d<B: Backend>(
         Ok(Ok(out)) => out,
         Ok(Err(call)) | Err(call) => call.pool.forward::<B>(call.x),
     }
+}
+
+/// `B`'s `avg_pool1d`, as Burn builds it (a pool of `[n, c, length, 1]`), through
+/// [`avg_pool2d`]: the 1d pool shares its `ceil_mode` windows of padding alone.
+pub(crate) fn avg_pool1d<B: Backend>(
+    x: FloatTensor<B>,
+    kernel_size: usize,
+    stride: usize,
+    padding: usize,
+    count_include_pad: bool,
+    ceil_mode: bool,
+) -> FloatTensor<B> {
+    let shape = x.shape();
+    let (n, c, length) = (shape[0], shape[1], shape[2]);
+    let x = B::float_reshape(x, Shape::from(vec![n, c, length, 1]));
+    let out = avg_pool2d::<B>(
+        x,
+        [kernel_size, 1],
+        [stride, 1],
+        [padding, 0],
+        count_include_pad,
+        ceil_mode,
+    );
+    let out_length = out.shape()[2];
+    B::float_reshape(out, Shape::from(vec![n, c, out_length]))
 }
 
 /// `B`'s `avg_pool2d_backward`, as the module docs say (Flex's as it is: it is right).
