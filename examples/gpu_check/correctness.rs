@@ -35,10 +35,7 @@ pub fn run<T: Target>(device: &Device<T>, report: &mut Report) -> usize {
             "detail": outcome.detail, "ms": outcome.ms,
         }));
     };
-    let lows: Vec<Precision> = [Precision::F16, Precision::Bf16]
-        .into_iter()
-        .filter(|p| p.is_supported::<T::Fused>(device))
-        .collect();
+    let lows = crate::low_precisions::<T>(device);
 
     // Progress on stderr: a run cut short by its time limit shows where it was.
     for &precision in &lows {

@@ -250,10 +250,7 @@ fn run<T: Target>(args: &Args, report: &mut Report) -> bool {
         }
     }
     if args.only == Some(Part::Numerics) {
-        let lows: Vec<Precision> = [Precision::F16, Precision::Bf16]
-            .into_iter()
-            .filter(|p| p.is_supported::<T::Fused>(&device))
-            .collect();
+        let lows = low_precisions::<T>(&device);
         let budget = Duration::from_secs(args.numerics_seconds);
         #[cfg(not(test))]
         let failed = numerics::run::<T>(&device, &lows, budget, report);
@@ -273,4 +270,12 @@ fn run<T: Target>(args: &Args, report: &mut Report) -> bool {
         started.elapsed().as_secs_f64()
     );
     ok
+}
+
+/// The half precisions the target's device runs (bf16: not on WGSL).
+pub fn low_precisions<T: Target>(device: &Device<T>) -> Vec<Precision> {
+    [Precision::F16, Precision::Bf16]
+        .into_iter()
+        .filter(|p| p.is_supported::<T::Fused>(device))
+        .collect()
 }

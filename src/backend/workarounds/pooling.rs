@@ -57,6 +57,41 @@ pub(crate) struct AvgPool {
 }
 
 impl AvgPool {
+    const fn new(
+        kernel_size: [usize; 2],
+        stride: [usize; 2],
+        padding: [usize; 2],
+        count_include_pad: bool,
+        ceil_mode: bool,
+    ) -> Self {
+        Self {
+            kernel_size,
+            stride,
+            padding,
+            count_include_pad,
+            ceil_mode,
+        }
+    }
+
+    /// The input's gradient with the defect avoided: a 1×1 output's computed here (`x` is
+    /// not needed), any other's by the kernel from the gradient packed NCHW (a `cat` of the
+    /// one tensor: its channels are then `out_h · out_w` apart).
+    fn gradient<X: Backend>(
+        &self,
+        x: Option<FloatTensor<X>>,
+        shape: &Shape,
+        dtype: burn_std::DType,
+        g: FloatTensor<X>,
+    ) -> FloatTensor<X> {
+        match x {
+            Some(x) if !self.is_global(shape) => self.backward::<X>(x, X::float_cat(vec![g], 1)),
+            _ => {
+                let device = X::float_device(&g);
+                global_backward::<X>(self, shape, dtype, &device, g)
+            }
+        }
+    }
+
     /// Whether the pool of a `[n, c, h, w]` input has a 1×1 output.
     fn is_global(&self, shape: &Shape) -> bool {
         (0..2).all(|i| {
@@ -159,13 +194,7 @@ pub(crate) fn avg_pool2d<B: Backend>(
             Ok(moved(node::<X, C>(moved(self.x), self.pool)))
         }
     }
-    let pool = AvgPool {
-        kernel_size,
-        stride,
-        padding,
-        count_include_pad,
-        ceil_mode,
-    };
+    let pool = AvgPool::new(kernel_size, stride, padding, count_include_pad, ceil_mode);
     match dispatch::<B, _>(Call { x, pool }) {
         Ok(Ok(out)) => out,
         Ok(Err(call)) | Err(call) => call.pool.forward::<B>(call.x),
@@ -207,21 +236,12 @@ pub(crate) fn avg_pool2d_backward<B: Backend>(
     count_include_pad: bool,
     ceil_mode: bool,
 ) -> FloatTensor<B> {
-    let pool = AvgPool {
-        kernel_size,
-        stride,
-        padding,
-        count_include_pad,
-        ceil_mode,
-    };
+    let pool = AvgPool::new(kernel_size, stride, padding, count_include_pad, ceil_mode);
     if TypeId::of::<B>() == TypeId::of::<Flex>() {
         return pool.backward::<B>(x, grad);
     }
-    if pool.is_global(&x.shape()) {
-        let device = B::float_device(&x);
-        return global_backward::<B>(&pool, &x.shape(), x.dtype(), &device, grad);
-    }
-    pool.backward::<B>(x, B::float_cat(vec![grad], 1))
+    let (shape, dtype) = (x.shape(), x.dtype());
+    pool.gradient::<B>(Some(x), &shape, dtype, grad)
 }
 
 fn node<X: Backend, C: CheckpointStrategy>(
@@ -258,12 +278,8 @@ impl<X: Backend> Backward<X, 1> for AvgPoolBackward {
     ) {
         let (input, shape, dtype, pool) = ops.state;
         let x: Option<FloatTensor<X>> = input.map(|id| checkpointer.retrieve_node_output(id));
-        unary::<X, _>(ops.parents, ops.node, grads, |g| match x {
-            Some(x) => pool.backward::<X>(x, X::float_cat(vec![g], 1)),
-            None => {
-                let device = X::float_device(&g);
-                global_backward::<X>(&pool, &shape, dtype, &device, g)
-            }
+        unary::<X, _>(ops.parents, ops.node, grads, |g| {
+            pool.gradient::<X>(x, &shape, dtype, g)
         });
     }
 }
