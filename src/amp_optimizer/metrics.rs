@@ -30,6 +30,7 @@ use core::any::Any;
 use std::sync::{Arc, Mutex};
 
 use burn::prelude::*;
+use burn::record::Record;
 use burn::train::metric::state::{FormatOptions, NumericMetricState};
 use burn::train::metric::{
     Metric, MetricAttributes, MetricMetadata, MetricName, Numeric, NumericAttributes, NumericEntry,
@@ -41,12 +42,25 @@ use crate::memory::{GrowthWatch, MemoryGrowth, mib};
 /// The scaler's figures at one point of training.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct ScalerSnapshot {
-    /// The loss scale of the next backward (1 while nothing was scaled).
+    /// The loss scale of the next backward (1 while nothing was scaled, or the loaded scale
+    /// after a resume).
     pub scale: f32,
-    /// Optimizer steps skipped because the gradients overflowed, since the start.
+    /// Optimizer steps skipped because the gradients overflowed, since the start of training
+    /// (a resumed run continues the count of its record).
     pub skipped_steps: u64,
-    /// Optimizer steps taken or skipped (accumulation micro-steps not counted).
+    /// Optimizer steps taken or skipped (accumulation micro-steps not counted), since the
+    /// start of training, resumes included.
     pub optimizer_steps: u64,
+}
+
+/// The step counts of an [`AmpOptimizer`](super::AmpOptimizer)'s record: the metrics of a
+/// resumed run continue from them rather than from 0.
+#[derive(Record, Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct StepCounts {
+    /// Optimizer steps taken or skipped.
+    pub optimizer_steps: u64,
+    /// Of those, skipped on inf/NaN gradients.
+    pub skipped_steps: u64,
 }
 
 /// The memory of one sampled micro-step, from the allocator.
@@ -94,6 +108,8 @@ struct MonitorState {
     memory: Option<MemoryTracking>,
     /// Reads `(scale, skipped)` from the device: set after each scaled step.
     reader: Option<Reader>,
+    /// `(scale, skipped)` before the first scaled step: `(1, 0)`, or a loaded record's.
+    resting: Option<(f32, u64)>,
     /// The last read, and the step count it was made at.
     cached: Option<(u64, ScalerSnapshot)>,
 }
@@ -201,6 +217,16 @@ impl ScalerMonitor {
         }
     }
 
+    /// Continues from a record's counts and scale: the figures until the next scaled step.
+    /// The device's skip count restarts from `counts.skipped_steps` (`AmpOptimizer` does that).
+    pub(crate) fn resume(&self, counts: StepCounts, scale: Option<f32>) {
+        let mut state = self.lock();
+        state.optimizer_steps = counts.optimizer_steps;
+        state.reader = None;
+        state.cached = None;
+        state.resting = Some((scale.unwrap_or(1.0), counts.skipped_steps));
+    }
+
     /// The memory figures of the last sampled micro-step (`None` before one, without
     /// [`track_memory`](super::AmpOptimizer::track_memory), or without allocator figures).
     pub fn step_memory(&self) -> Option<StepMemoryFigures> {
@@ -223,10 +249,16 @@ impl ScalerMonitor {
         {
             return snapshot;
         }
-        let (scale, skipped) = state.reader.as_ref().map_or((1.0, 0.0), |read| read());
+        let (scale, skipped) = match (&state.reader, state.resting) {
+            (Some(read), _) => {
+                let (scale, skipped) = read();
+                (scale, skipped as u64)
+            }
+            (None, resting) => resting.unwrap_or((1.0, 0)),
+        };
         let snapshot = ScalerSnapshot {
             scale,
-            skipped_steps: skipped as u64,
+            skipped_steps: skipped,
             optimizer_steps: steps,
         };
         state.cached = Some((steps, snapshot));

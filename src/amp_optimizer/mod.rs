@@ -58,7 +58,7 @@ use thiserror::Error;
 
 pub use metrics::{
     ActivationMemoryMetric, LossScaleMetric, ScalerMonitor, ScalerSnapshot, SkippedStepsMetric,
-    StepMemoryFigures, StepMemoryMetric,
+    StepCounts, StepMemoryFigures, StepMemoryMetric,
 };
 
 use metrics::{MemoryProbe, SamplePoint};
@@ -113,6 +113,8 @@ where
     loaded: Option<GradScalerRecord>,
     /// Skipped steps so far, f32 `[1]` on the scaler's device (no read to count them).
     skipped: Option<Tensor<B::InnerBackend, 1>>,
+    /// Skipped steps of a loaded record, where the count starts when the scaler is made.
+    loaded_skipped: u64,
     /// The overflow flag of the last step, when it checked one.
     last_found_inf: Option<Tensor<B::InnerBackend, 1>>,
     installation: Option<Arc<Installation>>,
@@ -163,6 +165,7 @@ where
             scaler: None,
             loaded: None,
             skipped: None,
+            loaded_skipped: 0,
             last_found_inf: None,
             installation,
             monitor,
@@ -244,6 +247,25 @@ where
         }
     }
 
+    /// Optimizer steps taken or skipped, and skipped, since the start of training (a loaded
+    /// record's included). Reads the skip count from the device.
+    pub fn step_counts(&self) -> StepCounts {
+        let snapshot = self.monitor.snapshot();
+        StepCounts {
+            optimizer_steps: snapshot.optimizer_steps,
+            skipped_steps: snapshot.skipped_steps,
+        }
+    }
+
+    /// Continues the counts of a record ([`Optimizer::load_record`] does it).
+    fn load_step_counts(&mut self, counts: StepCounts, scale: Option<f32>) {
+        self.loaded_skipped = counts.skipped_steps;
+        if let Some(skipped) = &mut self.skipped {
+            *skipped = f32_scalar(counts.skipped_steps as f32, &skipped.device());
+        }
+        self.monitor.resume(counts, scale);
+    }
+
     fn owner(&self) -> Option<u64> {
         self.installation.as_ref().map(|i| i.0)
     }
@@ -257,7 +279,7 @@ where
         if let Some(record) = self.loaded.take() {
             scaler = scaler.load_record(record);
         }
-        self.skipped = Some(f32_scalar(0.0, device));
+        self.skipped = Some(f32_scalar(self.loaded_skipped as f32, device));
         Ok(scaler)
     }
 
@@ -364,9 +386,9 @@ where
     B::InnerBackend: ScalerKernels,
     O: Optimizer<M, B> + ScaledStep<M, B>,
 {
-    /// The wrapped optimizer's record and the scaler's state: a checkpoint resumes the same
-    /// scale trajectory.
-    type Record = (O::Record, Option<GradScalerRecord>);
+    /// The wrapped optimizer's record, the scaler's state and the step counts: a checkpoint
+    /// resumes the same scale trajectory, and the metrics count on.
+    type Record = (O::Record, Option<GradScalerRecord>, StepCounts);
 
     fn step(&mut self, lr: LearningRate, module: M, grads: GradientsParams) -> M {
         // `Optimizer::step` cannot fail; the errors here are an accumulation window's
@@ -383,14 +405,20 @@ where
     }
 
     fn to_record(&self) -> Self::Record {
-        (self.inner.to_record(), self.scaler_record())
+        (
+            self.inner.to_record(),
+            self.scaler_record(),
+            self.step_counts(),
+        )
     }
 
-    fn load_record(mut self, (inner, scaler): Self::Record) -> Self {
+    fn load_record(mut self, (inner, scaler, counts): Self::Record) -> Self {
         self.inner = self.inner.load_record(inner);
+        let scale = scaler.as_ref().map(|record| record.scale);
         if let Some(record) = scaler {
             self.load_scaler_record(record);
         }
+        self.load_step_counts(counts, scale);
         self
     }
 }

@@ -327,17 +327,33 @@ fn the_record_resumes_the_scale_trajectory() {
         }
     }
     let (uninterrupted, final_weights) = (optim.scale(), weights_bits(&m));
+    let counts = optim.step_counts();
+    assert_eq!(
+        (counts.optimizer_steps, counts.skipped_steps),
+        (6, 1),
+        "6 steps, the overflow at step 1 skipped"
+    );
     drop(optim);
 
     // Resumed after step 2 into a fresh optimizer, through a saved record.
     let mut resumed = AmpOptimizer::new(adam(), config).unwrap();
     resumed = Optimizer::<Mlp<B>, B>::load_record(resumed, record.unwrap());
+    // The metrics continue from the record: its scale, 3 steps, 1 skipped.
+    let at_resume = resumed.monitor().snapshot();
+    assert_eq!((at_resume.optimizer_steps, at_resume.skipped_steps), (3, 1));
+    assert_eq!(at_resume.scale, resumed.scale());
     let mut m = at_3.unwrap();
     for i in 3..6 {
         m = step(m, &mut resumed, i, false);
     }
     assert_eq!(resumed.scale(), uninterrupted);
     assert_eq!(weights_bits(&m), final_weights, "resumed run differs");
+    assert_eq!(
+        resumed.step_counts(),
+        counts,
+        "the counts continue across the resume"
+    );
+    assert_eq!(resumed.monitor().snapshot().skipped_steps, 1);
 }
 
 /// The record, through bytes as a checkpointer writes it.

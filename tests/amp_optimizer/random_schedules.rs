@@ -283,7 +283,6 @@ where
     let mut optim = make();
     let mut pair = Pair::<B>::new(&s.w, &s.b, &device);
     let mut model = Model::new(s);
-    let mut skipped_before = 0;
     for (k, micro) in s.micros.iter().enumerate() {
         let target = |t: &[f32]| Tensor::<B, 1>::from_floats(t, &device);
         let tw = target(&micro.tw).reshape([ROWS, COLS]);
@@ -318,12 +317,18 @@ where
             }
         }
         assert_eq!(optim.scale(), model.scale, "{}: the loss scale", what());
-        // The monitor counts from the optimizer's making (its count is not in the record).
-        let skipped = optim.monitor().snapshot().skipped_steps;
+        // The monitor counts since the start, resumes included (the counts are in the record).
+        let snapshot = optim.monitor().snapshot();
         assert_eq!(
-            skipped,
-            model.skipped - skipped_before,
+            snapshot.skipped_steps,
+            model.skipped,
             "{}: skipped steps",
+            what()
+        );
+        assert_eq!(
+            snapshot.optimizer_steps,
+            ((k + 1) / s.micro_batches) as u64,
+            "{}: optimizer steps (windows ended)",
             what()
         );
 
@@ -331,7 +336,6 @@ where
             let pair_bytes = super::common::save::<B, _>(pair.into_record());
             let optim_bytes = super::common::save::<B, _>(optim.to_record());
             drop(optim); // one AmpOptimizer per backend at a time
-            skipped_before = model.skipped;
             optim = make().load_record(super::common::load::<B, _>(optim_bytes, &device));
             pair = Pair::new(&s.w, &s.b, &device)
                 .load_record(super::common::load::<B, _>(pair_bytes, &device));

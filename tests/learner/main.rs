@@ -312,6 +312,13 @@ fn learners_checkpointer_saves_and_restores_the_scaler() {
         expected.scale > 4.0,
         "the scale should have grown: {expected:?}"
     );
+    // The metrics count on from the checkpoint: steps and skips of epoch 1 included.
+    assert_eq!(
+        (got.optimizer_steps, got.skipped_steps),
+        (expected.optimizer_steps, expected.skipped_steps),
+        "resumed counts differ"
+    );
+    assert!(expected.skipped_steps > 0, "a poisoned step: {expected:?}");
     let diff = resumed
         .params
         .iter()
