@@ -79,6 +79,11 @@ struct Args {
     /// tests/autocast_numerics, then random graphs while time is left.
     #[arg(long, default_value_t = 60)]
     numerics_seconds: u64,
+    /// At most this many random-graph seeds (0, 1, ...) in the numerics part; without it, seed
+    /// after seed while time lasts. scripts/cuda-compile-check.sh compiles the first few
+    /// ahead, for the kernel cache.
+    #[arg(long)]
+    numerics_seeds: Option<u64>,
     /// Measure speed even when a correctness check failed.
     #[arg(long)]
     speed_anyway: bool,
@@ -253,11 +258,11 @@ fn run<T: Target>(args: &Args, report: &mut Report) -> bool {
         let lows = low_precisions::<T>(&device);
         let budget = Duration::from_secs(args.numerics_seconds);
         #[cfg(not(test))]
-        let failed = numerics::run::<T>(&device, &lows, budget, report);
+        let failed = numerics::run::<T>(&device, &lows, budget, args.numerics_seeds, report);
         // The harness build (see `mod numerics`), whose `main` never runs.
         #[cfg(test)]
         let failed = {
-            let _ = (lows, budget);
+            let _ = (lows, budget, args.numerics_seeds);
             0
         };
         if failed > 0 {

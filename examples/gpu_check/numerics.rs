@@ -110,11 +110,13 @@ fn at_precision<T: Target>() -> Vec<(&'static str, AtPrecision<T>)> {
     ]
 }
 
-/// Runs the numerics part within `budget`; returns how many cases failed.
+/// Runs the numerics part within `budget`, random graphs on at most `seeds` seeds (while time
+/// lasts without it); returns how many cases failed.
 pub fn run<T: Target>(
     device: &Device<T>,
     lows: &[Precision],
     budget: Duration,
+    seeds: Option<u64>,
     report: &mut Report,
 ) -> usize {
     type F<T> = <T as Target>::Fused;
@@ -209,8 +211,11 @@ pub fn run<T: Target>(
         case("workarounds", name, "", &mut || check());
     }
 
-    // Random graphs while time lasts, at least one seed each (so that the code runs in CI).
-    failed += graphs_while_time_lasts::<T>(device, lows, deadline, report);
+    // Random graphs while time lasts, at least one seed each (so that the code runs in CI)
+    // unless `seeds` says none.
+    if seeds != Some(0) {
+        failed += graphs_while_time_lasts::<T>(device, lows, deadline, seeds, report);
+    }
 
     // Last, as it reads past a buffer's end (wgpu refuses; CUDA may not notice, or may
     // fault and end the device's stream): whether plain Burn has the pool defect here too.
@@ -233,11 +238,13 @@ pub fn run<T: Target>(
 }
 
 /// The random graphs of `tests/autocast_numerics/random_graphs`, seed after seed until
-/// `deadline`: one JSON line per comparison, with the seeds run and the first failures.
+/// `deadline` or `seeds` seeds: one JSON line per comparison, with the seeds run and the
+/// first failures.
 fn graphs_while_time_lasts<T: Target>(
     device: &Device<T>,
     lows: &[Precision],
     deadline: Instant,
+    seeds: Option<u64>,
     report: &mut Report,
 ) -> usize {
     type F<T> = <T as Target>::Fused;
@@ -359,7 +366,7 @@ fn graphs_while_time_lasts<T: Target>(
             tally.ms += start.elapsed().as_secs_f64() * 1e3;
         }
         seed += 1;
-        if Instant::now() >= deadline {
+        if Instant::now() >= deadline || seeds.is_some_and(|n| seed >= n) {
             break;
         }
     }

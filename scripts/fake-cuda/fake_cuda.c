@@ -10,6 +10,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <unistd.h>
 
 static unsigned long long launches, modules, allocated;
 
@@ -18,9 +19,11 @@ static void finish(void) {
     if (!dir) return;
     char path[4096];
     snprintf(path, sizeof path, "%s/counts.txt", dir);
-    FILE *f = fopen(path, "w");
+    // Appended: gpu-check.sh runs gpu_check twice (the numerics part apart).
+    FILE *f = fopen(path, "a");
     if (!f) return;
-    fprintf(f, "modules %llu\nlaunches %llu\nbytes_allocated %llu\n", modules, launches, allocated);
+    fprintf(f, "process %d: modules %llu launches %llu bytes_allocated %llu\n", (int)getpid(),
+            modules, launches, allocated);
     fclose(f);
 }
 
@@ -184,12 +187,13 @@ CUresult cuEventElapsedTime(float *ms, CUevent a, CUevent b) {
     return CUDA_SUCCESS;
 }
 
-// Modules: the PTX is kept (FAKE_CUDA_DIR/ptx/N.ptx) for ptxas to check; nothing runs.
+// Modules: the PTX is kept (FAKE_CUDA_DIR/ptx/PID-N.ptx: one process's names do not overwrite
+// another's) for ptxas to check; nothing runs.
 CUresult cuModuleLoadData(CUmodule *m, const void *image) {
     const char *dir = getenv("FAKE_CUDA_DIR");
     if (dir) {
         char path[4096];
-        snprintf(path, sizeof path, "%s/ptx/%05llu.ptx", dir, modules);
+        snprintf(path, sizeof path, "%s/ptx/%d-%05llu.ptx", dir, (int)getpid(), modules);
         FILE *f = fopen(path, "w");
         if (f) {
             fputs((const char *)image, f);
