@@ -249,12 +249,12 @@ impl ScalerMonitor {
         {
             return snapshot;
         }
-        let (scale, skipped) = match (&state.reader, state.resting) {
-            (Some(read), _) => {
+        let (scale, skipped) = match &state.reader {
+            Some(read) => {
                 let (scale, skipped) = read();
                 (scale, skipped as u64)
             }
-            (None, resting) => resting.unwrap_or((1.0, 0)),
+            None => state.resting.unwrap_or((1.0, 0)),
         };
         let snapshot = ScalerSnapshot {
             scale,
