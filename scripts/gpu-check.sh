@@ -24,15 +24,24 @@ backend="${GPU_CHECK_BACKEND:-cuda}"
 started=$(date +%s)
 log() { echo "[gpu-check +$(($(date +%s) - started))s] $*" | tee -a "$out/log.txt" >&2; }
 
+# .gpu/'s files are xz: with xz where the image has it, else with Python's lzma.
+unxz_stdout() {
+    if command -v xz >/dev/null; then
+        xz -dc -- "$1"
+    else
+        python3 -c 'import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.argv[1]), sys.stdout.buffer, 1 << 20)' "$1"
+    fi
+}
+
 # 1. The binary.
-if [[ ! -f .gpu/gpu_check.gz ]]; then
-    log "error: .gpu/gpu_check.gz is missing: run scripts/gpu-build.sh on the build machine and carry .gpu/"
+if [[ ! -f .gpu/gpu_check.xz ]]; then
+    log "error: .gpu/gpu_check.xz is missing: run scripts/gpu-build.sh on the build machine and carry .gpu/"
     exit 2
 fi
 cat .gpu/manifest.txt | tee -a "$out/log.txt" >&2
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
-gunzip -c .gpu/gpu_check.gz > "$work/gpu_check"
+unxz_stdout .gpu/gpu_check.xz > "$work/gpu_check"
 chmod +x "$work/gpu_check"
 want=$(sed -n 's/^sha256 (unpacked): //p' .gpu/manifest.txt)
 have=$(sha256sum "$work/gpu_check" | cut -d' ' -f1)
@@ -109,11 +118,11 @@ if [[ "$backend" == cuda ]]; then
 fi
 
 # The kernels compiled ahead (scripts/cuda-compile-check.sh): only if made for this binary.
-if [[ "$backend" == cuda && -f .gpu/kernel-cache.tar.gz ]]; then
+if [[ "$backend" == cuda && -f .gpu/kernel-cache.tar.xz ]]; then
     made_for=$(sed -n 's/^for binary sha256: //p' .gpu/kernel-cache.txt 2>/dev/null)
-    if [[ "$made_for" == "$have" ]] && tar -C "$work" -xzf .gpu/kernel-cache.tar.gz; then
+    if [[ "$made_for" == "$have" ]] && unxz_stdout .gpu/kernel-cache.tar.xz | tar -C "$work" -xf -; then
         GPU_CHECK_ARGS="--kernel-cache $work/kernel-cache ${GPU_CHECK_ARGS:-}"
-        log "kernel cache: $(sed -n 's/^kernels: //p' .gpu/kernel-cache.txt) kernels compiled ahead ($(sed -n 's/^made: //p' .gpu/kernel-cache.txt))"
+        log "kernel cache: $(sed -n 's/^kernels: //p' .gpu/kernel-cache.txt) kernels compiled ahead for $(sed -n 's/^parts: //p' .gpu/kernel-cache.txt) ($(sed -n 's/^made: //p' .gpu/kernel-cache.txt)), unpacked"
     else
         log "kernel cache not used: made for another gpu_check (or unreadable); every kernel compiles here"
     fi
