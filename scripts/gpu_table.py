@@ -75,6 +75,37 @@ def short(text, limit=300):
     return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
+def sum_random_graphs(records):
+    """The random graphs' lines, one per seed and comparison, summed into one per comparison
+    (where the first of them stood); other records as they are."""
+    out, sums = [], {}
+    for r in records:
+        if r.get("kind") != "correctness" or r.get("suite") != "random graphs" or "seed" not in r:
+            out.append(r)
+            continue
+        s = sums.get(r.get("case"))
+        if s is None:
+            s = sums[r.get("case")] = {**r, "seeds": 0, "ran": 0, "left_out": 0, "failures": [], "ms": 0.0}
+            out.append(s)
+        s["seeds"] = max(s["seeds"], (num(r.get("seed")) or 0) + 1)
+        s["ms"] += num(r.get("ms")) or 0.0
+        if r.get("left_out"):
+            s["left_out"] += 1
+        else:
+            s["ran"] += 1
+        if r.get("ok") is not True:
+            s["failures"].append(r.get("error") or "(no message)")
+    for s in sums.values():
+        text = (f"seeds 0..{s['seeds']}: {s['ran']} graphs compared, {s['left_out']} left out "
+                f"(ops this comparison cannot hold), {len(s['failures'])} failed")
+        s["ok"] = not s["failures"]
+        s["detail"] = text if s["ok"] else None
+        s["error"] = None if s["ok"] else f"{text}; the first: {s['failures'][:3]}"
+        for key in ("seed", "failures", "seeds", "ran"):
+            del s[key]
+    return out
+
+
 def ordered(present, known):
     """The known names first, in their order, then the others as they came."""
     return [k for k in known if k in present] + [k for k in present if k not in known]
@@ -269,7 +300,7 @@ def run(out_dir):
     burn = load(os.path.join(out_dir, BURN_FILE))
     numerics = load(os.path.join(out_dir, NUMERICS_FILE))
     if burn is not None:
-        burn += numerics or []
+        burn = sum_random_graphs(burn + (numerics or []))
     markdown, summary, code = report(burn, load(os.path.join(out_dir, TORCH_FILE)))
     with open(os.path.join(out_dir, TABLE_FILE), "w", encoding="utf-8") as f:
         f.write(markdown)
