@@ -9,15 +9,23 @@
 # the headers in a pip-only layout, and every kernel the check needs (correctness and speed
 # parts, f32/f16/bf16, CubeCL's and burn-amp's) compiles with nvrtc and assembles with ptxas
 # for the H200; then the numerics part's kernels, as far as its checks get (each stops at its
-# first value assertion, which fails here). What it cannot show: any value or time. No kernel
-# runs, so the correctness cases fail by design and their values are not read here.
+# first value assertion, which fails here); and that no launch or TMA descriptor is one the
+# driver refuses (the stand-in refuses what the real one does: refused.txt). What it cannot
+# show: any value or time. No kernel runs, so the correctness cases fail by design and their
+# values are not read here.
 #
 #   scripts/gpu-build.sh && scripts/cuda-compile-check.sh [--quick]
-#   scripts/cuda-compile-check.sh --stand-in-only     # CI: the stand-in builds (-Werror), no run
+#   scripts/cuda-compile-check.sh --packed          # the GPU run as it will go, with .gpu/'s cache
+#   scripts/cuda-compile-check.sh --stand-in-only   # CI: the stand-in builds (-Werror) and its
+#                                                   # refusals are checked (selftest.c), no run
 #
 # --quick runs the speed part at the tiny sizes (the full sizes compile the kernels the GPU
-# run will, and need a few GB of host memory). Needs python3 with pip (PyPI), gcc. Writes
-# target/cuda-compile-check/ (the wheels' venv, the stand-in, out/, ptx/, ptxas.log).
+# run will, and need a few GB of host memory). --packed runs .gpu/ as the GPU machine will,
+# kernel cache and all (one gpu-check.sh call, the numerics part given
+# GPU_CHECK_NUMERICS_SECONDS, 300 s), checks it the same way, and packs nothing: about 15
+# minutes, to check a .gpu/ before a GPU call. Needs python3 with pip (PyPI), gcc. Writes
+# target/cuda-compile-check/ (the wheels' venv, the stand-in, out/, ptx/, ptxas.log,
+# refused.txt).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -28,28 +36,43 @@ mode=run
 case "${1:-}" in
     "") ;;
     --quick) args="$args --quick" ;;
+    --packed) mode=packed ;;
     --stand-in-only) mode=stand-in ;;
-    *) echo "usage: $0 [--quick | --stand-in-only]" >&2; exit 2 ;;
+    *) echo "usage: $0 [--quick | --packed | --stand-in-only]" >&2; exit 2 ;;
 esac
 
-if [[ $mode == run ]] && { [[ ! -f .gpu/gpu_check.xz ]] || ! grep -q 'features cuda' .gpu/manifest.txt; }; then
+if [[ $mode != stand-in ]] && { [[ ! -f .gpu/gpu_check.xz ]] || ! grep -q 'features cuda' .gpu/manifest.txt; }; then
     echo "error: .gpu/ holds no CUDA build: run scripts/gpu-build.sh first" >&2
+    exit 2
+fi
+if [[ $mode == packed ]] && { [[ ! -f .gpu/kernel-cache.tar.xz ]] ||
+    [[ $(sed -n 's/^for binary sha256: //p' .gpu/kernel-cache.txt) != $(sed -n 's/^sha256 (unpacked): //p' .gpu/manifest.txt) ]]; }; then
+    echo "error: .gpu/ has no kernel cache made for its binary: run scripts/cuda-compile-check.sh without --packed" >&2
     exit 2
 fi
 
 # The wheels of the GPU machine's torch 2.11.0+cu130: the runtime's headers (cuda.h for the
 # stand-in, the rest for nvrtc), nvrtc; and ptxas. The stand-in alone needs only the first.
 wheels=(nvidia-cuda-runtime==13.0.96)
-[[ $mode == run ]] && wheels+=(nvidia-cuda-nvrtc==13.0.88 nvidia-cuda-nvcc==13.0.88)
+[[ $mode != stand-in ]] && wheels+=(nvidia-cuda-nvrtc==13.0.88 nvidia-cuda-nvcc==13.0.88)
 [[ -x $venv/bin/python3 ]] || python3 -m venv "$venv"
 "$venv/bin/pip" install -q --disable-pip-version-check "${wheels[@]}"
 cu13=$("$venv/bin/python3" -c 'import nvidia, os; print(os.path.join(list(nvidia.__path__)[0], "cu13"))')
 
 mkdir -p "$dir/fake"
 gcc -shared -fPIC -O1 -Wall -Wextra -Werror -I"$cu13/include" \
-    -o "$dir/fake/libcuda.so.1" scripts/fake-cuda/fake_cuda.c
+    -o "$dir/fake/libcuda.so.1" scripts/fake-cuda/fake_cuda.c scripts/fake-cuda/launch.c
 if [[ $mode == stand-in ]]; then
     echo "stand-in driver built: $dir/fake/libcuda.so.1 ($(nm -D --defined-only "$dir/fake/libcuda.so.1" | grep -c ' T cu') entry points)"
+    # Its refusals against cuda.h's rules: what it takes and what it refuses.
+    gcc -O1 -Wall -Wextra -Werror -I"$cu13/include" -o "$dir/fake/selftest" scripts/fake-cuda/selftest.c \
+        -L"$dir/fake" -l:libcuda.so.1 -Wl,-rpath,"$PWD/$dir/fake"
+    selftest_dir=$(mktemp -d)
+    mkdir -p "$selftest_dir/ptx"
+    FAKE_CUDA_DIR="$selftest_dir" "$dir/fake/selftest" 2> "$selftest_dir/stderr" ||
+        { cat "$selftest_dir/stderr" >&2; exit 1; }
+    echo "  (refused.txt: $(wc -l < "$selftest_dir/refused.txt") lines)"
+    rm -rf "$selftest_dir"
     exit 0
 fi
 # A fresh kernel cache, so that nvrtc compiles every kernel; packed for the GPU run below.
@@ -60,7 +83,7 @@ forget_cuda_tuning() { rm -rf target/autotune/*/device-*-cuda; }
 forget_cuda_tuning
 trap forget_cuda_tuning EXIT
 rm -rf "$dir/out" "$dir/out-numerics" "$dir/ptx" "$dir/kernel-cache" "$dir/correctness-speed" \
-    "$dir/counts.txt"
+    "$dir/counts.txt" "$dir/refused.txt"
 mkdir -p "$dir/ptx"
 
 # gpu-check.sh as on the GPU machine; the venv's python3 first on PATH, so it finds the
@@ -71,16 +94,23 @@ mkdir -p "$dir/ptx"
 started=$(date +%s)
 stand_in() {
     FAKE_CUDA_DIR="$dir" PATH="$venv/bin:$PATH" GPU_CHECK_LIBCUDA="$PWD/$dir/fake/libcuda.so.1" \
-        GPU_CHECK_TIMEOUT="${GPU_CHECK_TIMEOUT:-3600}" GPU_CHECK_TOTAL=100000 \
-        GPU_CHECK_NUMERICS_SECONDS=0 "$@"
+        GPU_CHECK_TIMEOUT="${GPU_CHECK_TIMEOUT:-3600}" GPU_CHECK_TOTAL=100000 "$@"
 }
 status=0
-OUT="$dir/out" GPU_CHECK_ARGS="$args --kernel-cache $PWD/$dir/kernel-cache ${GPU_CHECK_ARGS:-}" \
-    stand_in scripts/gpu-check.sh > "$dir/gpu-check.log" 2>&1 || status=$?
+if [[ $mode == packed ]]; then
+    # As on the GPU: gpu-check.sh unpacks .gpu/'s cache itself, and runs the numerics part
+    # after the others, in one call.
+    OUT="$dir/out" GPU_CHECK_ARGS="$args ${GPU_CHECK_ARGS:-}" \
+        GPU_CHECK_NUMERICS_SECONDS="${GPU_CHECK_NUMERICS_SECONDS:-300}" \
+        stand_in scripts/gpu-check.sh > "$dir/gpu-check.log" 2>&1 || status=$?
+else
+    OUT="$dir/out" GPU_CHECK_ARGS="$args --kernel-cache $PWD/$dir/kernel-cache ${GPU_CHECK_ARGS:-}" \
+        GPU_CHECK_NUMERICS_SECONDS=0 stand_in scripts/gpu-check.sh > "$dir/gpu-check.log" 2>&1 || status=$?
+fi
 # What correctness and speed compiled, kept apart: packed instead of the whole cache (below)
 # if the whole one does not fit in what the device tool carries.
 kernels_in() { cat "$1"/*/*/*/toc.json.log 2>/dev/null | wc -l; }
-if [[ " $args " != *" --quick "* ]]; then
+if [[ $mode == run && " $args " != *" --quick "* ]]; then
     mkdir -p "$dir/correctness-speed"
     cp -a "$dir/kernel-cache" "$dir/correctness-speed/"
 fi
@@ -94,10 +124,12 @@ fi
 # leaves the part out.
 numerics_seeds="${GPU_CHECK_NUMERICS_SEEDS:-4}"
 numerics_jsonl=""
-if [[ $numerics_seeds != none ]]; then
+if [[ $mode == packed ]]; then
+    numerics_jsonl=$dir/out/numerics.jsonl
+elif [[ $numerics_seeds != none ]]; then
     numerics_jsonl=$dir/out-numerics/gpu_check.jsonl
     OUT="$dir/out-numerics" GPU_CHECK_ARGS="--only numerics --numerics-seconds 3600 --numerics-seeds $numerics_seeds --kernel-cache $PWD/$dir/kernel-cache" \
-        stand_in scripts/gpu-check.sh > "$dir/gpu-check-numerics.log" 2>&1 || true
+        GPU_CHECK_NUMERICS_SECONDS=0 stand_in scripts/gpu-check.sh > "$dir/gpu-check-numerics.log" 2>&1 || true
 fi
 seconds=$(($(date +%s) - started))
 
@@ -153,14 +185,39 @@ echo "PTX modules: $modules, ptxas sm_90a errors: $ptx_failed ($dir/ptxas.log)"
 [[ -f $dir/counts.txt ]] && cat "$dir/counts.txt"
 (( modules == 0 || ptx_failed > 0 )) && problems=$((problems + 1))
 
+# 3. What the driver would have refused: a launch outside the H200's limits or the kernel's
+# own (.maxntid), shared memory not allowed, a TMA descriptor against cuda.h's rules. Each
+# would fail on the GPU alone. A refused launch fails the check: CubeCL keeps the error, and
+# every later read on that stream fails ("the server is in an invalid state"). A refused
+# descriptor is matmul autotune trying a TMA candidate that cannot take the shape: autotune
+# drops it and the run goes on, as on the GPU, so it is listed, and fails the check only
+# with a structural failure above (it may be the cause).
+refused_launches=$(grep -vc 'cuTensorMapEncode' "$dir/refused.txt" 2>/dev/null || true)
+refused_maps=$(grep -c 'cuTensorMapEncode' "$dir/refused.txt" 2>/dev/null || true)
+echo "refused by the driver: ${refused_launches:-0} launches, ${refused_maps:-0} TMA descriptors ($dir/refused.txt)"
+if [[ -s $dir/refused.txt ]]; then
+    sed 's/^process [0-9]*: [0-9-]*\.ptx //; s/^process [0-9]*: //' "$dir/refused.txt" | sort | uniq -c |
+        sort -rn | head -8 | sed 's/^/  /'
+fi
+if (( ${refused_launches:-0} > 0 )); then
+    echo "FAIL: launches the CUDA driver refuses" >&2
+    problems=$((problems + 1))
+elif (( ${refused_maps:-0} > 0 && problems > 0 )); then
+    echo "(TMA descriptors refused, and the run failed: they may be why)" >&2
+fi
+
 echo "cuda-compile-check: ${seconds} s; $([[ $problems == 0 ]] && echo PASS || echo FAIL)"
 (( problems > 0 )) && exit 1
 
-# 3. The kernels, compiled, for the GPU run: gpu-check.sh hands them to gpu_check there, which
+# 4. The kernels, compiled, for the GPU run: gpu-check.sh hands them to gpu_check there, which
 # then compiles only what this run did not (autotune still measures on the GPU). Only for the
 # full sizes: --quick compiles other kernels than the GPU run needs.
 if [[ " $args " == *" --quick "* ]]; then
     echo "(--quick: no kernel cache packed; run without --quick to pack one for the GPU)"
+    exit 0
+fi
+if [[ $mode == packed ]]; then
+    echo "(--packed: .gpu/ checked as it is; nothing packed)"
     exit 0
 fi
 rm -f .gpu/kernel-cache.*

@@ -4,15 +4,20 @@
 // kernel (a launch is counted, not executed), so every value read back is meaningless; what a
 // run under it proves is that every kernel the run needs compiles for sm_90a, and that the
 // process gets through device start, allocation, launch and read-back without a panic.
+// What the real driver refuses before a kernel runs, it refuses too (launch.c: grid
+// and block limits, the kernel's .maxntid, dynamic shared memory, TMA descriptors), and writes
+// why to FAKE_CUDA_DIR/refused.txt: those would fail on the GPU and nowhere else.
 // scripts/cuda-compile-check.sh builds and uses it.
-#include <cuda.h>
+#include "fake_cuda.h"
+
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
 #include <unistd.h>
 
-static unsigned long long launches, modules, allocated;
+unsigned long long launches, modules, refused;
+static unsigned long long allocated;
 
 static void finish(void) {
     const char *dir = getenv("FAKE_CUDA_DIR");
@@ -22,12 +27,12 @@ static void finish(void) {
     // Appended: gpu-check.sh runs gpu_check twice (the numerics part apart).
     FILE *f = fopen(path, "a");
     if (!f) return;
-    fprintf(f, "process %d: modules %llu launches %llu bytes_allocated %llu\n", (int)getpid(),
-            modules, launches, allocated);
+    fprintf(f, "process %d: modules %llu launches %llu refused %llu bytes_allocated %llu\n",
+            (int)getpid(), modules, launches, refused, allocated);
     fclose(f);
 }
 
-static void *handle(void) { return calloc(1, 64); }
+void *handle(void) { return calloc(1, 64); }
 
 static double now_ms(void) {
     struct timespec t;
@@ -113,10 +118,12 @@ CUresult cuMemGetInfo(size_t *free_bytes, size_t *total) {
     return CUDA_SUCCESS;
 }
 
-// Memory: host memory, zeroed, so that a read-back is at least deterministic.
+// Memory: host memory, zeroed, so that a read-back is at least deterministic; aligned to 256
+// bytes as cuMemAlloc's is (TMA descriptors are refused below for a misaligned address).
 static CUresult alloc(CUdeviceptr *p, size_t n) {
-    void *m = calloc(1, n ? n : 1);
-    if (!m) return CUDA_ERROR_OUT_OF_MEMORY;
+    void *m = NULL;
+    if (posix_memalign(&m, 256, n ? n : 1)) return CUDA_ERROR_OUT_OF_MEMORY;
+    memset(m, 0, n ? n : 1);
     allocated += n;
     *p = (CUdeviceptr)m;
     return CUDA_SUCCESS;
@@ -184,79 +191,6 @@ CUresult cuEventSynchronize(CUevent e) { (void)e; return CUDA_SUCCESS; }
 CUresult cuEventQuery(CUevent e) { (void)e; return CUDA_SUCCESS; }
 CUresult cuEventElapsedTime(float *ms, CUevent a, CUevent b) {
     *ms = (float)(*(double *)b - *(double *)a);
-    return CUDA_SUCCESS;
-}
-
-// Modules: the PTX is kept (FAKE_CUDA_DIR/ptx/PID-N.ptx: one process's names do not overwrite
-// another's) for ptxas to check; nothing runs.
-CUresult cuModuleLoadData(CUmodule *m, const void *image) {
-    const char *dir = getenv("FAKE_CUDA_DIR");
-    if (dir) {
-        char path[4096];
-        snprintf(path, sizeof path, "%s/ptx/%d-%05llu.ptx", dir, (int)getpid(), modules);
-        FILE *f = fopen(path, "w");
-        if (f) {
-            fputs((const char *)image, f);
-            fclose(f);
-        }
-    }
-    modules++;
-    *m = (CUmodule)handle();
-    return CUDA_SUCCESS;
-}
-CUresult cuModuleUnload(CUmodule m) { free(m); return CUDA_SUCCESS; }
-CUresult cuModuleGetFunction(CUfunction *f, CUmodule m, const char *name) {
-    (void)m; (void)name;
-    *f = (CUfunction)handle();
-    return CUDA_SUCCESS;
-}
-CUresult cuFuncSetAttribute(CUfunction f, CUfunction_attribute a, int v) { (void)f; (void)a; (void)v; return CUDA_SUCCESS; }
-CUresult cuFuncGetAttribute(int *v, CUfunction_attribute a, CUfunction f) {
-    (void)f;
-    *v = a == CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK ? 1024 : 0;
-    return CUDA_SUCCESS;
-}
-CUresult cuLaunchKernel(CUfunction f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by,
-                        unsigned bz, unsigned shared, CUstream s, void **params, void **extra) {
-    (void)f; (void)gx; (void)gy; (void)gz; (void)bx; (void)by; (void)bz; (void)shared; (void)s;
-    (void)params; (void)extra;
-    launches++;
-    return CUDA_SUCCESS;
-}
-CUresult cuLaunchKernelEx(const CUlaunchConfig *c, CUfunction f, void **params, void **extra) {
-    (void)c; (void)f; (void)params; (void)extra;
-    launches++;
-    return CUDA_SUCCESS;
-}
-// Hopper's TMA descriptors (CubeCL's matmuls on sm_90): an opaque value the kernel would read.
-CUresult cuTensorMapEncodeTiled(CUtensorMap *m, CUtensorMapDataType t, cuuint32_t rank, void *p,
-                                const cuuint64_t *dim, const cuuint64_t *strides, const cuuint32_t *box,
-                                const cuuint32_t *elem, CUtensorMapInterleave il, CUtensorMapSwizzle sw,
-                                CUtensorMapL2promotion l2, CUtensorMapFloatOOBfill oob) {
-    (void)t; (void)rank; (void)p; (void)dim; (void)strides; (void)box; (void)elem; (void)il; (void)sw;
-    (void)l2; (void)oob;
-    memset(m, 0, sizeof *m);
-    return CUDA_SUCCESS;
-}
-CUresult cuTensorMapEncodeIm2col(CUtensorMap *m, CUtensorMapDataType t, cuuint32_t rank, void *p,
-                                 const cuuint64_t *dim, const cuuint64_t *strides, const int *lower,
-                                 const int *upper, cuuint32_t channels, cuuint32_t pixels,
-                                 const cuuint32_t *elem, CUtensorMapInterleave il, CUtensorMapSwizzle sw,
-                                 CUtensorMapL2promotion l2, CUtensorMapFloatOOBfill oob) {
-    (void)t; (void)rank; (void)p; (void)dim; (void)strides; (void)lower; (void)upper; (void)channels;
-    (void)pixels; (void)elem; (void)il; (void)sw; (void)l2; (void)oob;
-    memset(m, 0, sizeof *m);
-    return CUDA_SUCCESS;
-}
-CUresult cuTensorMapEncodeIm2colWide(CUtensorMap *m, CUtensorMapDataType t, cuuint32_t rank, void *p,
-                                     const cuuint64_t *dim, const cuuint64_t *strides, int lower, int upper,
-                                     cuuint32_t channels, cuuint32_t pixels, const cuuint32_t *elem,
-                                     CUtensorMapInterleave il, CUtensorMapIm2ColWideMode mode,
-                                     CUtensorMapSwizzle sw, CUtensorMapL2promotion l2,
-                                     CUtensorMapFloatOOBfill oob) {
-    (void)t; (void)rank; (void)p; (void)dim; (void)strides; (void)lower; (void)upper; (void)channels;
-    (void)pixels; (void)elem; (void)il; (void)mode; (void)sw; (void)l2; (void)oob;
-    memset(m, 0, sizeof *m);
     return CUDA_SUCCESS;
 }
 

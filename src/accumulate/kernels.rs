@@ -48,7 +48,10 @@ pub mod fallback {
     ///
     /// Exactly the burn-tensor ops the plain `acc + grad.cast(..).mul_scalar(weight)` runs,
     /// in its order: a cast only when the dtype differs (as `Tensor::cast`), no
-    /// multiplication for a weight of 1, then one `add`.
+    /// multiplication for a weight of 1, then one `add`. But an empty gradient runs none:
+    /// CubeCL 0.10 launches an op on an empty tensor with a zero-sized grid, which the CUDA
+    /// driver refuses, and every later read on that stream then fails (wgpu runs it as a
+    /// no-op). The result is the same: `acc`, or an empty sum.
     pub fn accumulate<B: Backend>(
         acc: Option<FloatTensor<B>>,
         grad: FloatTensor<B>,
@@ -59,6 +62,13 @@ pub mod fallback {
         } else {
             FloatDType::F32
         };
+        if grad.shape().num_elements() == 0 {
+            return match acc {
+                Some(acc) => acc,
+                None if grad.dtype() == DType::from(dtype) => grad,
+                None => B::float_empty(grad.shape(), &B::float_device(&grad), dtype),
+            };
+        }
         let current: FloatDType = grad.dtype().into();
         let grad = if current == dtype {
             grad
