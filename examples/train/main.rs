@@ -26,14 +26,15 @@ static ALLOC: burn_amp::memory::CountingAlloc = burn_amp::memory::CountingAlloc:
 #[path = "../../tests/common/tiny_lm.rs"]
 mod tiny_lm;
 
+mod args;
 mod batch;
 mod json;
+use args::{Args, FreezeArg, OptimArg};
 use batch::{auto_batch, batch_plan};
 use json::{Compared, json_array};
 mod plots;
 
 use std::error::Error;
-use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use burn::backend::autodiff::checkpoint::strategy::BalancedCheckpointing;
@@ -49,159 +50,15 @@ use burn_amp::kernels::AmpKernels;
 use burn_amp::memory::{
     DeviceMemory, MemoryReport, PeakMemory, StepMemory, parameter_bytes, trainable_values,
 };
-use burn_amp::optim::{FusedAdamW, FusedAdamWConfig, MomentStorage, ScaledAdaptor, WeightRounding};
+use burn_amp::optim::{FusedAdamW, FusedAdamWConfig, MomentStorage, ScaledAdaptor};
 use burn_amp::scaler::{GradScalerConfig, GradScalerRecord};
 use burn_amp::{
     Amp, AmpError, AmpOptimizer, GradientAccumulation, MemorySaving, Precision, PrecisionReport,
     autocast, detect_anomaly, freeze, host_reads,
 };
-use clap::{Parser, ValueEnum};
+use clap::Parser;
 use indicatif::{ProgressBar, ProgressStyle};
 use tiny_lm::{ReversalTask, TinyLm, TinyLmConfig, TinyLmRecord};
-
-#[derive(Parser, Debug, Clone)]
-#[command(about = "Train a small transformer with burn-amp")]
-struct Args {
-    /// flex (CPU), wgpu, or cuda (needs --features cuda).
-    #[arg(long, default_value = "flex")]
-    backend: String,
-    /// f32, f16 or bf16; the default is the device's best (bf16 where supported, else f16).
-    #[arg(long)]
-    precision: Option<Precision>,
-    /// Optimizer steps (the total, counting those of a resumed run).
-    #[arg(long, default_value_t = 300)]
-    steps: usize,
-    /// Sequences per optimizer step: the effective batch [default: 64, or micro-batch × accum].
-    #[arg(long)]
-    batch: Option<usize>,
-    /// Micro-batches per optimizer step (gradient accumulation).
-    #[arg(long, default_value_t = 1)]
-    accum: usize,
-    /// Sequences per micro-batch [default: batch / accum].
-    #[arg(long)]
-    micro_batch: Option<usize>,
-    /// Learning rate.
-    #[arg(long, default_value_t = 3e-3)]
-    lr: f64,
-    /// Seed of the model and the data.
-    #[arg(long, default_value_t = 42)]
-    seed: u64,
-    /// Steps whose gradients get a NaN, to show the scaler skipping them (needs f16), or with
-    /// --anomaly, to show anomaly mode naming the op that made it (any precision).
-    #[arg(long, value_delimiter = ',')]
-    inject_nan_at: Vec<usize>,
-    /// Anomaly mode: every float op's output is checked for inf/NaN; the run stops at the first
-    /// op that creates one and names it (op, dtype, shapes, the line that called it).
-    #[arg(long)]
-    anomaly: bool,
-    /// Print the precision report of one step (f32 against --precision, op by op, and the
-    /// gradients' underflow at the initial loss scale) as a table and a JSON line, and exit.
-    #[arg(long)]
-    precision_report: bool,
-    /// Model width.
-    #[arg(long, default_value_t = 64)]
-    d_model: usize,
-    /// Transformer blocks.
-    #[arg(long, default_value_t = 2)]
-    layers: usize,
-    /// Parts to freeze: the token embedding is then stored in the training precision and
-    /// gets no gradient and no optimizer state.
-    #[arg(long, value_enum, default_value_t = FreezeArg::None)]
-    freeze: FreezeArg,
-    /// Activation checkpointing: `Autodiff<B, BalancedCheckpointing>` recomputes cheap
-    /// activations in backward instead of saving them.
-    #[arg(long)]
-    checkpointing: bool,
-    /// Continue a run saved with --save (the recorder adds the .mpk extension).
-    #[arg(long)]
-    resume: Option<PathBuf>,
-    /// Save the whole training state at the end (model, optimizer, scaler, accumulation
-    /// window, step, data position, history); the recorder adds the .mpk extension.
-    #[arg(long)]
-    save: Option<PathBuf>,
-    /// Read the loss, scale and memory back from the device every this many steps.
-    #[arg(long, default_value_t = 10)]
-    log_every: usize,
-    /// Write SVG plots (loss, loss scale, memory of one step) and history.json to this folder.
-    #[arg(long)]
-    plot: Option<PathBuf>,
-    /// A history.json of an earlier run (say at --precision f32) to overlay on the loss plot;
-    /// the JSON line this example prints works too (its final loss is drawn as a line).
-    #[arg(long, requires = "plot")]
-    compare: Option<PathBuf>,
-    /// `auto`: pick the largest micro-batch whose training step fits --memory-budget, and
-    /// accumulate to reach --batch (rounded up to whole micro-batches). Needs memory figures
-    /// (wgpu, cuda; Flex through the counting allocator this example installs).
-    #[arg(long)]
-    target_batch: Option<String>,
-    /// Memory budget in MiB for --target-batch auto [default on CUDA: the free memory less a
-    /// margin; required elsewhere]. It bounds a micro-batch's forward+backward; optimizer
-    /// state and accumulation sums come on top.
-    #[arg(long)]
-    memory_budget: Option<f64>,
-    /// AdamW's moments: f32 (`adamw`, 8 bytes per parameter) or 8-bit blocks (`adamw8bit`,
-    /// about 2).
-    #[arg(long, value_enum, default_value_t = OptimArg::Adamw)]
-    optim: OptimArg,
-    /// The trainable weights: f32, or half precision with stochastic rounding and no f32
-    /// master copy (`bf16-sr`, `f16-sr`; `bf16` rounds to nearest, to show why not).
-    #[arg(long, value_enum, default_value_t = WeightsArg::F32)]
-    weights: WeightsArg,
-}
-
-#[derive(ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
-enum OptimArg {
-    /// f32 moments.
-    Adamw,
-    /// 8-bit block-wise moments (`MomentStorage::int8()`).
-    Adamw8bit,
-}
-
-#[derive(ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
-enum WeightsArg {
-    /// f32 weights.
-    F32,
-    /// bf16 weights, stochastic rounding.
-    Bf16Sr,
-    /// bf16 weights, rounded to nearest.
-    Bf16,
-    /// f16 weights, stochastic rounding (with f16 autocast and the loss scaler).
-    F16Sr,
-}
-
-impl WeightsArg {
-    fn dtype(self) -> FloatDType {
-        match self {
-            Self::F32 => FloatDType::F32,
-            Self::Bf16Sr | Self::Bf16 => FloatDType::BF16,
-            Self::F16Sr => FloatDType::F16,
-        }
-    }
-
-    fn rounding(self) -> WeightRounding {
-        match self {
-            Self::Bf16 | Self::F32 => WeightRounding::Nearest,
-            Self::Bf16Sr | Self::F16Sr => WeightRounding::Stochastic,
-        }
-    }
-
-    fn name(self) -> &'static str {
-        match self {
-            Self::F32 => "f32",
-            Self::Bf16Sr => "bf16-sr",
-            Self::Bf16 => "bf16",
-            Self::F16Sr => "f16-sr",
-        }
-    }
-}
-
-#[derive(ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
-enum FreezeArg {
-    /// Train everything.
-    None,
-    /// Freeze the token embedding.
-    Embeddings,
-}
 
 type Error2 = Box<dyn Error>;
 
