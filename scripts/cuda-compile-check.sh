@@ -22,10 +22,10 @@
 # --quick runs the speed part at the tiny sizes (the full sizes compile the kernels the GPU
 # run will, and need a few GB of host memory). --packed runs .gpu/ as the GPU machine will,
 # kernel cache and all (one gpu-check.sh call, the numerics part given
-# GPU_CHECK_NUMERICS_SECONDS, 300 s), checks it the same way, and packs nothing: about 15
+# GPU_CHECK_NUMERICS_SECONDS, 300 s), checks it the same way, and packs nothing: about 11
 # minutes, to check a .gpu/ before a GPU call. Needs python3 with pip (PyPI), gcc. Writes
 # target/cuda-compile-check/ (the wheels' venv, the stand-in, out/, ptx/, ptxas.log,
-# refused.txt).
+# refused.txt; assembled-sm_90a-V*.sha256: the modules ptxas passed, kept between runs).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -174,14 +174,24 @@ print(f"structural failures: {len(structural)}; value checks failed (expected, n
 sys.exit(1 if not env or structural or len(speed) < 6 else 0)
 EOF
 
-# 2. Every module nvrtc made, through ptxas for the H200.
+# 2. Every module nvrtc made, through ptxas for the H200. A module ptxas passed before (the
+# same bytes, the same ptxas: listed by sha256 in $assembled) is not assembled again: with the
+# packed cache most modules are byte for byte those of the run that made it.
 ptxas=$cu13/bin/ptxas
-modules=$(find "$dir/ptx" -name '*.ptx' | wc -l)
+assembled=$dir/assembled-sm_90a-$("$ptxas" --version | grep -o 'V[0-9][0-9.]*' | head -1).sha256
+touch "$assembled"
+(cd "$dir/ptx" && find . -name '*.ptx' -print0 | xargs -0 -r sha256sum) | sed 's|  \./| |' > "$dir/ptx.sha256"
+modules=$(wc -l < "$dir/ptx.sha256")
+awk 'FILENAME == ARGV[1] { known[$1] = 1; next } !($1 in known) { print $2 }' "$assembled" "$dir/ptx.sha256" |
+    sort > "$dir/ptx-new.txt"
 : > "$dir/ptxas.log"
-find "$dir/ptx" -name '*.ptx' -print0 | sort -z | xargs -0 -P "$(nproc)" -I{} sh -c \
+sed "s|^|$dir/ptx/|" "$dir/ptx-new.txt" | tr '\n' '\0' | xargs -0 -r -P "$(nproc)" -I{} sh -c \
     '"$1" -arch=sm_90a -o /dev/null "$2" 2>&1 | sed "s|^|$2: |"' _ "$ptxas" {} >> "$dir/ptxas.log"
 ptx_failed=$(grep -c 'error' "$dir/ptxas.log" || true)
-echo "PTX modules: $modules, ptxas sm_90a errors: $ptx_failed ($dir/ptxas.log)"
+if (( ptx_failed == 0 )); then
+    cut -d' ' -f1 "$dir/ptx.sha256" | sort -u - "$assembled" -o "$assembled"
+fi
+echo "PTX modules: $modules ($(wc -l < "$dir/ptx-new.txt") through ptxas, the rest passed before), ptxas sm_90a errors: $ptx_failed ($dir/ptxas.log)"
 [[ -f $dir/counts.txt ]] && cat "$dir/counts.txt"
 (( modules == 0 || ptx_failed > 0 )) && problems=$((problems + 1))
 
