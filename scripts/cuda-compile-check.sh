@@ -97,16 +97,13 @@ stand_in() {
         GPU_CHECK_TIMEOUT="${GPU_CHECK_TIMEOUT:-3600}" GPU_CHECK_TOTAL=100000 "$@"
 }
 status=0
-if [[ $mode == packed ]]; then
-    # As on the GPU: gpu-check.sh unpacks .gpu/'s cache itself, and runs the numerics part
-    # after the others, in one call.
-    OUT="$dir/out" GPU_CHECK_ARGS="$args ${GPU_CHECK_ARGS:-}" \
-        GPU_CHECK_NUMERICS_SECONDS="${GPU_CHECK_NUMERICS_SECONDS:-300}" \
-        stand_in scripts/gpu-check.sh > "$dir/gpu-check.log" 2>&1 || status=$?
-else
-    OUT="$dir/out" GPU_CHECK_ARGS="$args --kernel-cache $PWD/$dir/kernel-cache ${GPU_CHECK_ARGS:-}" \
-        GPU_CHECK_NUMERICS_SECONDS=0 stand_in scripts/gpu-check.sh > "$dir/gpu-check.log" 2>&1 || status=$?
-fi
+# --packed as on the GPU: gpu-check.sh unpacks .gpu/'s cache itself, and runs the numerics
+# part after the others, in one call. Otherwise into a fresh cache, the numerics part apart.
+cache_args="--kernel-cache $PWD/$dir/kernel-cache" numerics_seconds=0
+[[ $mode == packed ]] && cache_args="" numerics_seconds="${GPU_CHECK_NUMERICS_SECONDS:-300}"
+OUT="$dir/out" GPU_CHECK_ARGS="$args $cache_args ${GPU_CHECK_ARGS:-}" \
+    GPU_CHECK_NUMERICS_SECONDS="$numerics_seconds" \
+    stand_in scripts/gpu-check.sh > "$dir/gpu-check.log" 2>&1 || status=$?
 # What correctness and speed compiled, kept apart: packed instead of the whole cache (below)
 # if the whole one does not fit in what the device tool carries.
 kernels_in() { cat "$1"/*/*/*/toc.json.log 2>/dev/null | wc -l; }

@@ -32,7 +32,7 @@ static void finish(void) {
     fclose(f);
 }
 
-void *handle(void) { return calloc(1, 64); }
+static void *handle(void) { return calloc(1, 64); }
 
 static double now_ms(void) {
     struct timespec t;
