@@ -44,6 +44,7 @@ macro_rules! autocast_ops {
             let plan = autocast.plan();
             #[allow(unused_variables)]
             let target = plan.target;
+            autocast_empty!([$($ret)?] $name target [$($kind $input),*]);
             #[allow(unused_mut)]
             let mut probe = $crate::doctor::Probe::<B>::start($crate::backend::policy::Op::$name);
             if let Some(probe) = probe.as_mut() {
@@ -73,6 +74,31 @@ macro_rules! autocast_ops {
             out
         }
     )*};
+}
+
+/// An elementwise op (`workarounds::empty::Elementwise`) with an empty float input:
+/// its empty result, made without `B`'s kernel (which CUDA refuses). Code only where the op is
+/// elementwise (a constant test otherwise).
+macro_rules! autocast_empty {
+    ([$ret:ty] $name:ident $target:ident [$($kind:ident $input:ident),*]) => {
+        #[allow(unused_mut)]
+        if let Some(mut guard) = $crate::backend::workarounds::empty::EmptyInputs::<B>::new(
+            $crate::backend::policy::Op::$name,
+        ) {
+            $(autocast_empty!(@see $kind guard $input);)*
+            if guard.hit() {
+                $(autocast_empty!(@keep $kind guard $input);)*
+                if let Some(out) = guard.result::<$ret>($target) {
+                    return out;
+                }
+            }
+        }
+    };
+    ([] $($rest:tt)*) => {};
+    (@see t $guard:ident $x:ident) => { $guard.see(&$x) };
+    (@see $kind:ident $guard:ident $x:ident) => {};
+    (@keep t $guard:ident $x:ident) => { $guard.keep(&$x) };
+    (@keep $kind:ident $guard:ident $x:ident) => {};
 }
 
 /// The op itself: `B`'s, or for an op marked `via module`, that module's (`recompute`: the
@@ -163,4 +189,6 @@ macro_rules! autocast_input {
     };
 }
 
-pub(crate) use {autocast_call, autocast_input, autocast_ops, forward, forward_primitive};
+pub(crate) use {
+    autocast_call, autocast_empty, autocast_input, autocast_ops, forward, forward_primitive,
+};

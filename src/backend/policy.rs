@@ -359,6 +359,10 @@ impl Plan {
     ) -> B::FloatTensorPrimitive {
         match self.target {
             Some(target) if float_dtype(tensor.dtype()).is_some_and(|d| d != target) => {
+                if tensor.shape().num_elements() == 0 {
+                    // No kernel over an empty tensor (CUDA refuses it), nor in its backward.
+                    return super::workarounds::empty::float_cast::<B>(tensor, target);
+                }
                 super::cast_cache::cast::<B>(tensor, target, self.untracked)
                     .or_else(|tensor| super::upcast::cast::<B>(tensor, target, self.op))
                     .unwrap_or_else(|tensor| B::float_cast(tensor, target))

@@ -40,6 +40,7 @@ macro_rules! flex_and_wgpu_tests {
 mod attention;
 mod cast_cache;
 mod deform_conv;
+mod empty;
 mod interpolate;
 mod pooling;
 mod probabilities;

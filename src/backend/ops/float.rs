@@ -8,15 +8,15 @@ use burn_backend::{Backend, Distribution, ExecutionError, Scalar, TensorData};
 use burn_std::{BoolDType, FloatDType, IntDType, Shape, Slice};
 
 use crate::backend::Amp;
-use crate::backend::macros::{autocast_call, autocast_input, autocast_ops};
+use crate::backend::macros::{autocast_call, autocast_empty, autocast_input, autocast_ops};
 
 impl<B: Backend> FloatTensorOps<Self> for Amp<B> {
     autocast_ops! {
         fn float_from_data(data: TensorData, device: &Device<Self>) -> FloatTensor<Self> => [];
-        fn float_random(shape: Shape, distribution: Distribution, device: &Device<Self>, dtype: FloatDType) -> FloatTensor<Self> => [];
-        fn float_zeros(shape: Shape, device: &Device<Self>, dtype: FloatDType) -> FloatTensor<Self> => [];
-        fn float_ones(shape: Shape, device: &Device<Self>, dtype: FloatDType) -> FloatTensor<Self> => [];
-        fn float_full(shape: Shape, fill_value: Scalar, device: &Device<Self>, dtype: FloatDType) -> FloatTensor<Self> => [s fill_value];
+        fn float_random(shape: Shape, distribution: Distribution, device: &Device<Self>, dtype: FloatDType) -> FloatTensor<Self> => [] via workarounds;
+        fn float_zeros(shape: Shape, device: &Device<Self>, dtype: FloatDType) -> FloatTensor<Self> => [] via workarounds;
+        fn float_ones(shape: Shape, device: &Device<Self>, dtype: FloatDType) -> FloatTensor<Self> => [] via workarounds;
+        fn float_full(shape: Shape, fill_value: Scalar, device: &Device<Self>, dtype: FloatDType) -> FloatTensor<Self> => [s fill_value] via workarounds;
         fn float_device(tensor: &FloatTensor<Self>) -> Device<Self> => [];
         fn float_to_device(tensor: FloatTensor<Self>, device: &Device<Self>) -> FloatTensor<Self> => [t tensor];
         fn float_into_int(tensor: FloatTensor<Self>, out_dtype: IntDType) -> IntTensor<Self> => [t tensor];
@@ -35,7 +35,7 @@ impl<B: Backend> FloatTensorOps<Self> for Amp<B> {
         fn float_div_scalar(lhs: FloatTensor<Self>, rhs: Scalar) -> FloatTensor<Self> => [t lhs, s rhs];
         fn float_remainder(lhs: FloatTensor<Self>, rhs: FloatTensor<Self>) -> FloatTensor<Self> => [t lhs, t rhs] via recompute;
         fn float_remainder_scalar(lhs: FloatTensor<Self>, rhs: Scalar) -> FloatTensor<Self> => [t lhs, s rhs];
-        fn float_matmul(lhs: FloatTensor<Self>, rhs: FloatTensor<Self>) -> FloatTensor<Self> => [t lhs, t rhs];
+        fn float_matmul(lhs: FloatTensor<Self>, rhs: FloatTensor<Self>) -> FloatTensor<Self> => [t lhs, t rhs] via workarounds;
         fn float_cross(lhs: FloatTensor<Self>, rhs: FloatTensor<Self>, dim: usize) -> FloatTensor<Self> => [t lhs, t rhs];
         fn float_neg(tensor: FloatTensor<Self>) -> FloatTensor<Self> => [t tensor];
         fn float_recip(tensor: FloatTensor<Self>) -> FloatTensor<Self> => [t tensor] via recompute;
@@ -45,13 +45,13 @@ impl<B: Backend> FloatTensorOps<Self> for Amp<B> {
         fn float_flip(tensor: FloatTensor<Self>, axes: &[usize]) -> FloatTensor<Self> => [t tensor];
         fn float_reshape(tensor: FloatTensor<Self>, shape: Shape) -> FloatTensor<Self> => [t tensor];
         fn float_gather(dim: usize, tensor: FloatTensor<Self>, indices: IntTensor<Self>) -> FloatTensor<Self> => [t tensor] via workarounds;
-        fn float_scatter_add(dim: usize, tensor: FloatTensor<Self>, indices: IntTensor<Self>, value: FloatTensor<Self>) -> FloatTensor<Self> => [t tensor, t value];
+        fn float_scatter_add(dim: usize, tensor: FloatTensor<Self>, indices: IntTensor<Self>, value: FloatTensor<Self>) -> FloatTensor<Self> => [t tensor, t value] via workarounds;
         fn float_scatter_nd(data: FloatTensor<Self>, indices: IntTensor<Self>, values: FloatTensor<Self>, reduction: IndexingUpdateOp) -> FloatTensor<Self> => [t data, t values];
         fn float_gather_nd(data: FloatTensor<Self>, indices: IntTensor<Self>) -> FloatTensor<Self> => [t data];
         fn float_select(tensor: FloatTensor<Self>, dim: usize, indices: IntTensor<Self>) -> FloatTensor<Self> => [t tensor] via workarounds;
-        fn float_select_add(tensor: FloatTensor<Self>, dim: usize, indices: IntTensor<Self>, value: FloatTensor<Self>) -> FloatTensor<Self> => [t tensor, t value];
+        fn float_select_add(tensor: FloatTensor<Self>, dim: usize, indices: IntTensor<Self>, value: FloatTensor<Self>) -> FloatTensor<Self> => [t tensor, t value] via workarounds;
         fn float_slice(tensor: FloatTensor<Self>, slices: &[Slice]) -> FloatTensor<Self> => [t tensor];
-        fn float_slice_assign(tensor: FloatTensor<Self>, slices: &[Slice], value: FloatTensor<Self>) -> FloatTensor<Self> => [t tensor, t value];
+        fn float_slice_assign(tensor: FloatTensor<Self>, slices: &[Slice], value: FloatTensor<Self>) -> FloatTensor<Self> => [t tensor, t value] via workarounds;
         fn float_mask_where(tensor: FloatTensor<Self>, mask: BoolTensor<Self>, value: FloatTensor<Self>) -> FloatTensor<Self> => [t tensor, t value];
         fn float_mask_fill(tensor: FloatTensor<Self>, mask: BoolTensor<Self>, value: Scalar) -> FloatTensor<Self> => [t tensor, s value];
         fn float_equal(lhs: FloatTensor<Self>, rhs: FloatTensor<Self>, out_dtype: BoolDType) -> BoolTensor<Self> => [t lhs, t rhs];
@@ -69,17 +69,17 @@ impl<B: Backend> FloatTensorOps<Self> for Amp<B> {
         fn float_detach(tensor: FloatTensor<Self>) -> FloatTensor<Self> => [t tensor];
         fn float_set_require_grad(tensor: FloatTensor<Self>, require_grad: bool) -> FloatTensor<Self> => [t tensor];
         fn float_is_require_grad(tensor: &FloatTensor<Self>) -> bool => [];
-        fn float_sum(tensor: FloatTensor<Self>) -> FloatTensor<Self> => [t tensor];
+        fn float_sum(tensor: FloatTensor<Self>) -> FloatTensor<Self> => [t tensor] via workarounds;
         fn float_sum_dim(tensor: FloatTensor<Self>, dim: usize) -> FloatTensor<Self> => [t tensor] via workarounds;
         fn float_prod(tensor: FloatTensor<Self>) -> FloatTensor<Self> => [t tensor] via workarounds;
         fn float_prod_dim(tensor: FloatTensor<Self>, dim: usize) -> FloatTensor<Self> => [t tensor] via workarounds;
-        fn float_mean(tensor: FloatTensor<Self>) -> FloatTensor<Self> => [t tensor];
+        fn float_mean(tensor: FloatTensor<Self>) -> FloatTensor<Self> => [t tensor] via workarounds;
         fn float_mean_dim(tensor: FloatTensor<Self>, dim: usize) -> FloatTensor<Self> => [t tensor] via workarounds;
         fn float_cumsum(tensor: FloatTensor<Self>, dim: usize) -> FloatTensor<Self> => [t tensor];
         fn float_cumprod(tensor: FloatTensor<Self>, dim: usize) -> FloatTensor<Self> => [t tensor] via workarounds;
         fn float_cummin(tensor: FloatTensor<Self>, dim: usize) -> FloatTensor<Self> => [t tensor];
         fn float_cummax(tensor: FloatTensor<Self>, dim: usize) -> FloatTensor<Self> => [t tensor];
-        fn float_cast(tensor: FloatTensor<Self>, dtype: FloatDType) -> FloatTensor<Self> => [t tensor];
+        fn float_cast(tensor: FloatTensor<Self>, dtype: FloatDType) -> FloatTensor<Self> => [t tensor] via workarounds;
         fn float_exp(tensor: FloatTensor<Self>) -> FloatTensor<Self> => [t tensor] via recompute;
         fn float_log(tensor: FloatTensor<Self>) -> FloatTensor<Self> => [t tensor] via recompute;
         fn float_log1p(tensor: FloatTensor<Self>) -> FloatTensor<Self> => [t tensor] via recompute;

@@ -13,14 +13,14 @@ use burn_backend::ops::{
 use burn_backend::tensor::{BoolTensor, FloatTensor, IntTensor};
 
 use crate::backend::Amp;
-use crate::backend::macros::{autocast_call, autocast_input, autocast_ops};
+use crate::backend::macros::{autocast_call, autocast_empty, autocast_input, autocast_ops};
 use crate::backend::policy::{Autocast, Op};
 
 impl<B: Backend> ModuleOps<Self> for Amp<B> {
     autocast_ops! {
-        fn embedding(weights: FloatTensor<Self>, indices: IntTensor<Self>) -> FloatTensor<Self> => [t weights];
+        fn embedding(weights: FloatTensor<Self>, indices: IntTensor<Self>) -> FloatTensor<Self> => [t weights] via workarounds;
         fn embedding_backward(weights: FloatTensor<Self>, output_grad: FloatTensor<Self>, indices: IntTensor<Self>) -> FloatTensor<Self> => [t weights, t output_grad];
-        fn linear(x: FloatTensor<Self>, weight: FloatTensor<Self>, bias: Option<FloatTensor<Self>>) -> FloatTensor<Self> => [t x, t weight, opt bias];
+        fn linear(x: FloatTensor<Self>, weight: FloatTensor<Self>, bias: Option<FloatTensor<Self>>) -> FloatTensor<Self> => [t x, t weight, opt bias] via workarounds;
         fn linear_x_backward(weight: FloatTensor<Self>, output_grad: FloatTensor<Self>) -> FloatTensor<Self> => [t weight, t output_grad];
         fn linear_weight_backward(x: FloatTensor<Self>, output_grad: FloatTensor<Self>) -> FloatTensor<Self> => [t x, t output_grad];
         fn linear_bias_backward(output_grad: FloatTensor<Self>) -> FloatTensor<Self> => [t output_grad];

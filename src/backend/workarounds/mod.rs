@@ -45,14 +45,18 @@
 //! backward, where a bias's gradient is summed from a transposed gradient. `Amp` packs such a
 //! view before its sums, and the gradient that a transposition hands back.
 
+pub(crate) mod empty;
 mod flex_views;
 mod interpolate;
 mod pooling;
 mod products;
 
-pub(crate) use flex_views::{
-    float_mean_dim, float_permute, float_sum_dim, float_swap_dims, float_transpose,
+pub(crate) use empty::{
+    embedding, float_cast, float_full, float_matmul, float_mean, float_mean_dim, float_ones,
+    float_random, float_scatter_add, float_select_add, float_slice_assign, float_sum,
+    float_sum_dim, float_zeros, linear,
 };
+pub(crate) use flex_views::{float_permute, float_swap_dims, float_transpose};
 pub(crate) use interpolate::interpolate;
 pub(crate) use pooling::{avg_pool1d, avg_pool2d, avg_pool2d_backward};
 pub(crate) use products::{float_cumprod, float_prod, float_prod_dim};
@@ -60,6 +64,7 @@ pub(crate) use products::{float_cumprod, float_prod, float_prod_dim};
 use burn_backend::Backend;
 use burn_backend::TensorMetadata;
 use burn_backend::tensor::{FloatTensor, IntTensor};
+use burn_std::Shape;
 
 /// `B`'s cat, its inputs held until it returns (see the module docs).
 pub(crate) fn float_cat<B: Backend>(tensors: Vec<FloatTensor<B>>, dim: usize) -> FloatTensor<B> {
@@ -75,7 +80,10 @@ pub(crate) fn float_gather<B: Backend>(
     tensor: FloatTensor<B>,
     indices: IntTensor<B>,
 ) -> FloatTensor<B> {
-    materialized::<B>(B::float_gather(dim, tensor, indices), dim)
+    match empty::picked::<B>(tensor, &indices, |_, indices| indices.clone()) {
+        Ok(out) => out,
+        Err(tensor) => materialized::<B>(B::float_gather(dim, tensor, indices), dim),
+    }
 }
 
 /// `B`'s select, materialized when it picks one element along the last dimension.
@@ -84,7 +92,15 @@ pub(crate) fn float_select<B: Backend>(
     dim: usize,
     indices: IntTensor<B>,
 ) -> FloatTensor<B> {
-    materialized::<B>(B::float_select(tensor, dim, indices), dim)
+    let picked = |tensor: &Shape, indices: &Shape| {
+        let mut shape = tensor.clone();
+        shape[dim] = indices.num_elements();
+        shape
+    };
+    match empty::picked::<B>(tensor, &indices, picked) {
+        Ok(out) => out,
+        Err(tensor) => materialized::<B>(B::float_select(tensor, dim, indices), dim),
+    }
 }
 
 /// `out` copied into a buffer of its own when it picks one element along the last dimension

@@ -1,0 +1,632 @@
+//! Ops on empty tensors, which Burn 0.21's CubeCL backends cannot run: `Amp` gives their
+//! result without a kernel.
+//!
+//! CubeCL 0.10 launches a kernel over an empty tensor with a (0, 0, 0) grid. CUDA refuses such
+//! a launch, CubeCL keeps the error, and the next read of anything on that stream fails ("The
+//! server is in an invalid state"): one `Tensor::zeros([0, 8])` ends the run
+//! (tracel-ai/cubecl#1349, after 0.10.0, skips them). On wgpu and CUDA alike, a matmul with an
+//! empty operand panics in the matmul's launch ("CallError"), and a sum or mean along an empty
+//! dimension in the reduce autotune. Measured by `examples/gpu_check`'s `empty` cases through
+//! the stand-in driver (`scripts/cuda-compile-check.sh`), and by `tests/empty.rs` on wgpu.
+//!
+//! `Amp` answers such an op without `B`'s kernel: an empty result is made with `float_empty`
+//! (an allocation, no launch), a result that holds values (the sum of nothing: 0; the mean of
+//! nothing: NaN, as in PyTorch; a matmul over an empty inner dimension: zeros) with
+//! `float_full` over its non-zero size. Under autodiff the result is one node over the op's
+//! float inputs whose backward gives each of them zeros (an empty input: an empty gradient):
+//! the result does not depend on them, and a parameter reached only through an empty batch
+//! gets a zero gradient, as in PyTorch, rather than none.
+//!
+//! Covered: float creation; the elementwise ops, activations and comparisons (their result has
+//! the broadcast shape of their float inputs, [`Elementwise`]; checked in `autocast_ops!`);
+//! casts, `matmul`, `linear`, `sum`, `mean`, `sum_dim`, `mean_dim`, `select`, `gather`,
+//! `embedding`; `select_add`, `scatter_add` and `slice_assign` of an empty value (the tensor
+//! itself). Not covered: int and bool ops (`Amp` forwards them untouched), convolutions and
+//! pooling over an empty batch, and burn-autodiff's own backward ops (they run on `B`
+//! directly): a gradient of an empty tensor that autodiff has to add to another still
+//! launches on CUDA.
+
+use burn::backend::autodiff::checkpoint::base::Checkpointer;
+use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
+use burn::backend::autodiff::grads::Gradients;
+use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
+use core::any::Any;
+
+use burn_backend::tensor::{Device, FloatTensor, IntTensor};
+use burn_backend::{Backend, DType, Distribution, Scalar, TensorMetadata, get_device_settings};
+use burn_std::{FloatDType, Shape, Slice};
+
+use crate::backend::concrete::{AutodiffTensor, Visit, dispatch, moved};
+use crate::backend::policy::Op;
+
+/// What a result made without a kernel holds.
+#[derive(Debug, Clone, Copy)]
+enum Fill {
+    /// Nothing: the result is empty.
+    Empty,
+    /// One value everywhere.
+    Value(f64),
+}
+
+fn is_empty<T: TensorMetadata>(tensor: &T) -> bool {
+    tensor.shape().num_elements() == 0
+}
+
+fn float_dtype(dtype: DType) -> FloatDType {
+    FloatDType::from(dtype)
+}
+
+/// A tensor of `shape` made without a kernel over an empty size.
+fn filled<X: Backend>(
+    shape: Shape,
+    fill: Fill,
+    device: &Device<X>,
+    dtype: FloatDType,
+) -> FloatTensor<X> {
+    match fill {
+        Fill::Value(value) if shape.num_elements() > 0 => {
+            X::float_full(shape, Scalar::Float(value), device, dtype)
+        }
+        _ => X::float_empty(shape, device, dtype),
+    }
+}
+
+/// The result of an op that does not depend on its float `inputs` (not empty: the op's
+/// device is theirs), as one autodiff node over them when `B` is a listed autodiff backend.
+fn constant<B: Backend>(
+    inputs: Vec<FloatTensor<B>>,
+    shape: Shape,
+    dtype: FloatDType,
+    fill: Fill,
+) -> FloatTensor<B> {
+    struct Call<P> {
+        inputs: Vec<P>,
+        shape: Shape,
+        dtype: FloatDType,
+        fill: Fill,
+    }
+    impl<P: 'static> Visit for Call<P> {
+        type Out = P;
+        fn visit<X: Backend, C: CheckpointStrategy>(self) -> P {
+            let inputs: Vec<AutodiffTensor<X>> = moved(self.inputs);
+            let device = X::float_device(&inputs[0].primitive);
+            let out = filled::<X>(self.shape, self.fill, &device, self.dtype);
+            moved(match inputs.len() {
+                1 => node::<X, C, 1>(inputs, out),
+                2 => node::<X, C, 2>(inputs, out),
+                3 => node::<X, C, 3>(inputs, out),
+                n => unreachable!("an op of {n} float inputs"),
+            })
+        }
+    }
+    let device = B::float_device(&inputs[0]);
+    match dispatch::<B, _>(Call {
+        inputs,
+        shape,
+        dtype,
+        fill,
+    }) {
+        Ok(out) => out,
+        // Not a listed autodiff backend: the tensor alone.
+        Err(call) => filled::<B>(call.shape, call.fill, &device, call.dtype),
+    }
+}
+
+fn node<X: Backend, C: CheckpointStrategy, const N: usize>(
+    inputs: Vec<AutodiffTensor<X>>,
+    out: FloatTensor<X>,
+) -> AutodiffTensor<X> {
+    let inputs: [AutodiffTensor<X>; N] = match inputs.try_into() {
+        Ok(inputs) => inputs,
+        Err(_) => unreachable!("called with N inputs"),
+    };
+    let parents = inputs.each_ref().map(|t| t.node.clone());
+    match ConstantBackward
+        .prepare::<C>(parents)
+        .compute_bound()
+        .stateful()
+    {
+        OpsKind::Tracked(prep) => {
+            let state = inputs
+                .iter()
+                .map(|t| {
+                    if is_empty(&t.primitive) {
+                        Input::Empty(t.clone())
+                    } else {
+                        Input::Zeros(t.primitive.shape(), float_dtype(t.primitive.dtype()))
+                    }
+                })
+                .collect();
+            prep.finish(state, out)
+        }
+        OpsKind::UnTracked(prep) => prep.finish(out),
+    }
+}
+
+/// An input of a [`ConstantBackward`] node: the shape and dtype of its zero gradient, or, if
+/// empty, the tensor itself (to see whether it has its gradient already).
+#[derive(Debug, Clone)]
+enum Input<X: Backend> {
+    Zeros(Shape, FloatDType),
+    Empty(AutodiffTensor<X>),
+}
+
+/// The backward of a result that does not depend on its inputs: zeros of each input's shape
+/// and dtype. An empty input gets an empty gradient once: a second would be added to the
+/// first by burn-autodiff, with a kernel (on CUDA, refused).
+#[derive(Debug)]
+struct ConstantBackward;
+
+impl<X: Backend, const N: usize> Backward<X, N> for ConstantBackward {
+    type State = Vec<Input<X>>;
+
+    fn backward(self, ops: Ops<Self::State, N>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let grad = grads.consume::<X>(&ops.node);
+        let device = X::float_device(&grad);
+        for (parent, input) in ops.parents.into_iter().zip(ops.state) {
+            let Some(parent) = parent else { continue };
+            match input {
+                Input::Zeros(shape, dtype) => {
+                    grads.register::<X>(parent.id, X::float_zeros(shape, &device, dtype))
+                }
+                Input::Empty(tensor) if grads.get::<X>(&tensor).is_none() => {
+                    let (shape, dtype) = (tensor.primitive.shape(), tensor.primitive.dtype());
+                    let empty = X::float_empty(shape, &device, float_dtype(dtype));
+                    grads.register::<X>(parent.id, empty)
+                }
+                Input::Empty(_) => {}
+            }
+        }
+    }
+}
+
+/// The broadcast shape of `shapes` (same rank, each dimension equal or 1), `None` when they
+/// do not broadcast (then `B` says why).
+fn broadcast(shapes: &[Shape]) -> Option<Shape> {
+    let rank = shapes[0].num_dims();
+    if shapes.iter().any(|s| s.num_dims() != rank) {
+        return None;
+    }
+    let mut dims = Vec::with_capacity(rank);
+    for i in 0..rank {
+        let mut dim = 1;
+        for shape in shapes {
+            match (dim, shape[i]) {
+                (_, 1) => {}
+                (1, d) => dim = d,
+                (a, b) if a == b => {}
+                _ => return None,
+            }
+        }
+        dims.push(dim);
+    }
+    Some(Shape::from(dims))
+}
+
+/// What an elementwise op gives: its result has the broadcast shape of its float tensor
+/// inputs (those `autocast_ops!` marks `t`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Elementwise {
+    /// A float tensor in the inputs' dtype after autocast.
+    Float,
+    /// A comparison's bool tensor.
+    Bool,
+}
+
+impl Elementwise {
+    /// `op`'s kind, `None` for an op that is not elementwise.
+    pub(crate) const fn of(op: Op) -> Option<Elementwise> {
+        use Op::*;
+        match op {
+            float_add
+            | float_add_scalar
+            | float_clamp_min
+            | float_clamp_max
+            | float_clamp
+            | float_sub
+            | float_sub_scalar
+            | float_mul
+            | float_mul_scalar
+            | float_div
+            | float_div_scalar
+            | float_remainder
+            | float_remainder_scalar
+            | float_neg
+            | float_recip
+            | float_flip
+            | float_mask_where
+            | float_mask_fill
+            | float_cumsum
+            | float_cumprod
+            | float_cummin
+            | float_cummax
+            | float_exp
+            | float_log
+            | float_log1p
+            | float_powf
+            | float_powi
+            | float_powi_scalar
+            | float_powi_scalar_impl
+            | float_powf_scalar
+            | float_powf_scalar_impl
+            | float_sqrt
+            | float_abs
+            | float_cos
+            | float_sin
+            | float_tan
+            | float_cosh
+            | float_sinh
+            | float_tanh
+            | float_acos
+            | float_acosh
+            | float_asin
+            | float_asinh
+            | float_atan
+            | float_atanh
+            | float_atan2
+            | float_round
+            | float_floor
+            | float_ceil
+            | float_trunc
+            | float_erf
+            | float_sign
+            | float_sort
+            | leaky_relu
+            | relu
+            | relu_backward
+            | gelu
+            | gelu_backward
+            | sigmoid
+            | sigmoid_backward
+            | hard_sigmoid
+            | log_sigmoid
+            | softmax
+            | log_softmax
+            | softmin
+            | log_sigmoid_backward
+            | layer_norm => Some(Elementwise::Float),
+            float_equal
+            | float_not_equal
+            | float_equal_elem
+            | float_not_equal_elem
+            | float_greater
+            | float_greater_elem
+            | float_greater_equal
+            | float_greater_equal_elem
+            | float_lower
+            | float_lower_elem
+            | float_lower_equal
+            | float_lower_equal_elem
+            | float_is_nan
+            | float_is_inf => Some(Elementwise::Bool),
+            _ => None,
+        }
+    }
+}
+
+/// The empty-input check of an elementwise op in `autocast_ops!`: it sees the float inputs,
+/// and when one is empty the op's result is made here.
+pub(crate) struct EmptyInputs<B: Backend> {
+    kind: Elementwise,
+    inputs: Vec<FloatTensor<B>>,
+    empty: bool,
+}
+
+impl<B: Backend> EmptyInputs<B> {
+    /// The check of `op`; `None` (and free) for an op that is not elementwise.
+    #[inline(always)]
+    pub(crate) fn new(op: Op) -> Option<Self> {
+        Some(Self {
+            kind: Elementwise::of(op)?,
+            inputs: Vec::new(),
+            empty: false,
+        })
+    }
+
+    /// Sees one float input.
+    #[inline(always)]
+    pub(crate) fn see(&mut self, tensor: &FloatTensor<B>) {
+        self.empty |= is_empty(tensor);
+    }
+
+    /// Whether an input was empty: then each is handed to [`Self::keep`], in order.
+    #[inline(always)]
+    pub(crate) fn hit(&self) -> bool {
+        self.empty
+    }
+
+    /// Keeps one float input (a clone: `B` runs the op on them if they do not broadcast).
+    pub(crate) fn keep(&mut self, tensor: &FloatTensor<B>) {
+        self.inputs.push(tensor.clone());
+    }
+
+    /// The op's empty result, `R` being its return type (a float or a bool tensor of `B`);
+    /// `None` when the inputs do not broadcast (`B` runs the op and says why).
+    pub(crate) fn result<R: 'static>(self, target: Option<FloatDType>) -> Option<R> {
+        let shape = broadcast(&self.inputs.iter().map(|t| t.shape()).collect::<Vec<_>>())
+            .filter(|s| s.num_elements() == 0)?;
+        let out: Box<dyn Any> = match self.kind {
+            Elementwise::Float => {
+                let dtype = target.unwrap_or_else(|| float_dtype(self.inputs[0].dtype()));
+                Box::new(constant::<B>(self.inputs, shape, dtype, Fill::Empty))
+            }
+            Elementwise::Bool => {
+                let device = B::float_device(&self.inputs[0]);
+                let dtype = get_device_settings::<B>(&device).bool_dtype;
+                Box::new(B::bool_empty(shape, &device, dtype))
+            }
+        };
+        out.downcast::<R>().ok().map(|out| *out)
+    }
+}
+
+// Creation: an empty shape is an allocation, not a fill.
+
+pub(crate) fn float_zeros<B: Backend>(
+    shape: Shape,
+    device: &Device<B>,
+    dtype: FloatDType,
+) -> FloatTensor<B> {
+    if shape.num_elements() == 0 {
+        return B::float_empty(shape, device, dtype);
+    }
+    B::float_zeros(shape, device, dtype)
+}
+
+pub(crate) fn float_ones<B: Backend>(
+    shape: Shape,
+    device: &Device<B>,
+    dtype: FloatDType,
+) -> FloatTensor<B> {
+    if shape.num_elements() == 0 {
+        return B::float_empty(shape, device, dtype);
+    }
+    B::float_ones(shape, device, dtype)
+}
+
+pub(crate) fn float_full<B: Backend>(
+    shape: Shape,
+    fill_value: Scalar,
+    device: &Device<B>,
+    dtype: FloatDType,
+) -> FloatTensor<B> {
+    if shape.num_elements() == 0 {
+        return B::float_empty(shape, device, dtype);
+    }
+    B::float_full(shape, fill_value, device, dtype)
+}
+
+pub(crate) fn float_random<B: Backend>(
+    shape: Shape,
+    distribution: Distribution,
+    device: &Device<B>,
+    dtype: FloatDType,
+) -> FloatTensor<B> {
+    if shape.num_elements() == 0 {
+        return B::float_empty(shape, device, dtype);
+    }
+    B::float_random(shape, distribution, device, dtype)
+}
+
+pub(crate) fn float_cast<B: Backend>(tensor: FloatTensor<B>, dtype: FloatDType) -> FloatTensor<B> {
+    if is_empty(&tensor) && float_dtype(tensor.dtype()) != dtype {
+        let shape = tensor.shape();
+        return constant::<B>(vec![tensor], shape, dtype, Fill::Empty);
+    }
+    B::float_cast(tensor, dtype)
+}
+
+/// `[.., m, k] @ [.., k, n]`: empty when a batch dimension, `m` or `n` is 0; zeros when only
+/// `k` is.
+pub(crate) fn float_matmul<B: Backend>(lhs: FloatTensor<B>, rhs: FloatTensor<B>) -> FloatTensor<B> {
+    if (is_empty(&lhs) || is_empty(&rhs))
+        && let Some(shape) = matmul_shape(&lhs.shape(), &rhs.shape())
+    {
+        let dtype = float_dtype(lhs.dtype());
+        return constant::<B>(vec![lhs, rhs], shape, dtype, Fill::Value(0.0));
+    }
+    B::float_matmul(lhs, rhs)
+}
+
+fn matmul_shape(lhs: &Shape, rhs: &Shape) -> Option<Shape> {
+    let rank = lhs.num_dims();
+    if rank < 2 || rhs.num_dims() != rank || lhs[rank - 1] != rhs[rank - 2] {
+        return None;
+    }
+    let lhs_batch = Shape::from(lhs.as_slice()[..rank - 2].to_vec());
+    let rhs_batch = Shape::from(rhs.as_slice()[..rank - 2].to_vec());
+    let mut dims = if rank > 2 {
+        broadcast(&[lhs_batch, rhs_batch])?.as_slice().to_vec()
+    } else {
+        Vec::new()
+    };
+    dims.extend([lhs[rank - 2], rhs[rank - 1]]);
+    Some(Shape::from(dims))
+}
+
+/// `x @ weight (+ bias)`, `weight` `[d_in, d_out]`.
+pub(crate) fn linear<B: Backend>(
+    x: FloatTensor<B>,
+    weight: FloatTensor<B>,
+    bias: Option<FloatTensor<B>>,
+) -> FloatTensor<B> {
+    let (x_shape, w_shape) = (x.shape(), weight.shape());
+    let rank = x_shape.num_dims();
+    if (is_empty(&x) || is_empty(&weight))
+        && w_shape.num_dims() == 2
+        && x_shape[rank - 1] == w_shape[0]
+    {
+        let mut dims = x_shape.as_slice().to_vec();
+        dims[rank - 1] = w_shape[1];
+        let shape = Shape::from(dims);
+        let dtype = float_dtype(x.dtype());
+        if shape.num_elements() == 0 {
+            let mut inputs = vec![x, weight];
+            inputs.extend(bias);
+            return constant::<B>(inputs, shape, dtype, Fill::Empty);
+        }
+        // Only the inner dimension is empty: the bias alone.
+        let zeros = constant::<B>(vec![x, weight], shape, dtype, Fill::Value(0.0));
+        return match bias {
+            Some(bias) => B::float_add(zeros, bias),
+            None => zeros,
+        };
+    }
+    B::linear(x, weight, bias)
+}
+
+/// The sum of nothing: 0.
+pub(crate) fn float_sum<B: Backend>(tensor: FloatTensor<B>) -> FloatTensor<B> {
+    reduced_all::<B>(tensor, 0.0).unwrap_or_else(B::float_sum)
+}
+
+/// The mean of nothing: NaN (PyTorch's too).
+pub(crate) fn float_mean<B: Backend>(tensor: FloatTensor<B>) -> FloatTensor<B> {
+    reduced_all::<B>(tensor, f64::NAN).unwrap_or_else(B::float_mean)
+}
+
+fn reduced_all<B: Backend>(
+    tensor: FloatTensor<B>,
+    value: f64,
+) -> Result<FloatTensor<B>, FloatTensor<B>> {
+    if !is_empty(&tensor) {
+        return Err(tensor);
+    }
+    let dtype = float_dtype(tensor.dtype());
+    Ok(constant::<B>(
+        vec![tensor],
+        Shape::from(vec![1]),
+        dtype,
+        Fill::Value(value),
+    ))
+}
+
+pub(crate) fn float_sum_dim<B: Backend>(tensor: FloatTensor<B>, dim: usize) -> FloatTensor<B> {
+    reduced_dim::<B>(tensor, dim, 0.0)
+        .unwrap_or_else(|t| super::flex_views::float_sum_dim::<B>(t, dim))
+}
+
+pub(crate) fn float_mean_dim<B: Backend>(tensor: FloatTensor<B>, dim: usize) -> FloatTensor<B> {
+    reduced_dim::<B>(tensor, dim, f64::NAN)
+        .unwrap_or_else(|t| super::flex_views::float_mean_dim::<B>(t, dim))
+}
+
+fn reduced_dim<B: Backend>(
+    tensor: FloatTensor<B>,
+    dim: usize,
+    value: f64,
+) -> Result<FloatTensor<B>, FloatTensor<B>> {
+    if !is_empty(&tensor) {
+        return Err(tensor);
+    }
+    let mut shape = tensor.shape();
+    shape[dim] = 1;
+    let dtype = float_dtype(tensor.dtype());
+    Ok(constant::<B>(
+        vec![tensor],
+        shape,
+        dtype,
+        Fill::Value(value),
+    ))
+}
+
+/// A pick of no index, or from an empty tensor: empty, the picked shape.
+pub(crate) fn picked<B: Backend>(
+    tensor: FloatTensor<B>,
+    indices: &IntTensor<B>,
+    shape: impl FnOnce(&Shape, &Shape) -> Shape,
+) -> Result<FloatTensor<B>, FloatTensor<B>> {
+    let index_shape = indices.shape();
+    if index_shape.num_elements() > 0 && !is_empty(&tensor) {
+        return Err(tensor);
+    }
+    let shape = shape(&tensor.shape(), &index_shape);
+    if shape.num_elements() > 0 {
+        return Err(tensor);
+    }
+    let dtype = float_dtype(tensor.dtype());
+    Ok(constant::<B>(vec![tensor], shape, dtype, Fill::Empty))
+}
+
+/// `embedding(weights [n, d], indices [..])`: `[.., d]`.
+pub(crate) fn embedding<B: Backend>(
+    weights: FloatTensor<B>,
+    indices: IntTensor<B>,
+) -> FloatTensor<B> {
+    match picked::<B>(weights, &indices, |w, i| {
+        let mut dims = i.as_slice().to_vec();
+        dims.push(w[w.num_dims() - 1]);
+        Shape::from(dims)
+    }) {
+        Ok(out) => out,
+        Err(weights) => B::embedding(weights, indices),
+    }
+}
+
+/// Whether adding or writing `value` into a tensor changes nothing (it holds no element).
+fn writes_nothing<B: Backend>(value: &FloatTensor<B>) -> bool {
+    is_empty(value)
+}
+
+pub(crate) fn float_select_add<B: Backend>(
+    tensor: FloatTensor<B>,
+    dim: usize,
+    indices: IntTensor<B>,
+    value: FloatTensor<B>,
+) -> FloatTensor<B> {
+    if writes_nothing::<B>(&value) {
+        return tensor;
+    }
+    B::float_select_add(tensor, dim, indices, value)
+}
+
+pub(crate) fn float_scatter_add<B: Backend>(
+    dim: usize,
+    tensor: FloatTensor<B>,
+    indices: IntTensor<B>,
+    value: FloatTensor<B>,
+) -> FloatTensor<B> {
+    if writes_nothing::<B>(&value) {
+        return tensor;
+    }
+    B::float_scatter_add(dim, tensor, indices, value)
+}
+
+pub(crate) fn float_slice_assign<B: Backend>(
+    tensor: FloatTensor<B>,
+    slices: &[Slice],
+    value: FloatTensor<B>,
+) -> FloatTensor<B> {
+    if writes_nothing::<B>(&value) {
+        return tensor;
+    }
+    B::float_slice_assign(tensor, slices, value)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn s(dims: &[usize]) -> Shape {
+        Shape::from(dims.to_vec())
+    }
+
+    #[test]
+    fn broadcast_follows_burn() {
+        assert_eq!(broadcast(&[s(&[0, 8]), s(&[1, 8])]), Some(s(&[0, 8])));
+        assert_eq!(broadcast(&[s(&[0, 1]), s(&[1, 8])]), Some(s(&[0, 8])));
+        assert_eq!(broadcast(&[s(&[0, 8]), s(&[3, 8])]), None);
+        assert_eq!(broadcast(&[s(&[0, 8]), s(&[8])]), None);
+    }
+
+    #[test]
+    fn matmul_shapes() {
+        assert_eq!(matmul_shape(&s(&[0, 8]), &s(&[8, 4])), Some(s(&[0, 4])));
+        assert_eq!(matmul_shape(&s(&[3, 0]), &s(&[0, 4])), Some(s(&[3, 4])));
+        assert_eq!(
+            matmul_shape(&s(&[2, 1, 0, 8]), &s(&[1, 5, 8, 4])),
+            Some(s(&[2, 5, 0, 4]))
+        );
+        assert_eq!(matmul_shape(&s(&[0, 8]), &s(&[7, 4])), None);
+    }
+}

@@ -1,0 +1,237 @@
+//! Empty tensors under `Amp` (`src/backend/workarounds/empty.rs`): Burn 0.21's CubeCL
+//! backends fail on them (on wgpu a matmul with an empty operand and a sum along an empty
+//! dimension panic, on CUDA every kernel over an empty tensor is refused), `Amp` answers
+//! those ops without a kernel.
+//!
+//! The check: a mixture of two experts where every token goes to the first, so that the
+//! second runs on an empty batch (select, matmul, bias, relu, a layer norm by hand using its
+//! input twice, a sum along the empty dimension). Its loss and the first expert's gradients
+//! are bitwise those of the same model without the second expert, and the second expert's
+//! parameters get zero gradients (PyTorch's `grad` there), not none. Then single ops: sums
+//! and means of nothing, a matmul over an empty inner dimension, casts, comparisons,
+//! `select_assign` of nothing.
+
+use burn::backend::Autodiff;
+use burn::tensor::activation::relu;
+use burn::tensor::{IndexingUpdateOp, Int, TensorData};
+use burn_amp::{Amp, autocast};
+
+use super::*;
+
+const TOKENS: usize = 4;
+const D_IN: usize = 8;
+const D_OUT: usize = 6;
+
+/// A gradient read back: its shape, dtype and values.
+type Read = (Vec<usize>, DType, Vec<f32>);
+
+struct Routed {
+    loss: f32,
+    /// `x`, `w0`, `b0`, `gamma`: the gradients of what the first expert uses.
+    first: Vec<Vec<f32>>,
+    /// `w1`, `b1`: the second expert's, `None` where it got none.
+    second: Vec<Option<Read>>,
+    /// The second expert's output shape.
+    second_dims: Option<[usize; 2]>,
+}
+
+fn routed<B: Backend>(device: &B::Device, precision: Precision, second_expert: bool) -> Routed {
+    type A<B> = Amp<Autodiff<B>>;
+    let _autocast = autocast(precision);
+    let mut next = uniform(7);
+    let mut param = |dims: [usize; 2]| {
+        let v: Vec<f32> = (0..dims[0] * dims[1]).map(|_| on_grid(next())).collect();
+        Tensor::<A<B>, 2>::from_data(TensorData::new(v, dims), device).require_grad()
+    };
+    let x: Tensor<A<B>, 2> = param([TOKENS, D_IN]);
+    let (w0, b0, w1, b1) = (
+        param([D_IN, D_OUT]),
+        param([1, D_OUT]),
+        param([D_IN, D_OUT]),
+        param([1, D_OUT]),
+    );
+    let gamma: Tensor<A<B>, 2> = param([1, D_OUT]);
+    let expert = |h: Tensor<A<B>, 2>, w: Tensor<A<B>, 2>, b: Tensor<A<B>, 2>| {
+        let y = relu(h.matmul(w) + b);
+        let centred = y.clone() - y.mean_dim(1);
+        let variance = centred.clone().powf_scalar(2.0).mean_dim(1);
+        centred / (variance + 1e-5).sqrt() * gamma.clone()
+    };
+    let indices = |v: Vec<i64>| {
+        let n = v.len();
+        Tensor::<A<B>, 1, Int>::from_data(TensorData::new(v, [n]), device)
+    };
+    let y0 = expert(
+        x.clone().select(0, indices((0..TOKENS as i64).collect())),
+        w0.clone(),
+        b0.clone(),
+    );
+    let mut loss = (y0.clone() * y0).sum();
+    let mut second_dims = None;
+    if second_expert {
+        let y1 = expert(x.clone().select(0, indices(vec![])), w1.clone(), b1.clone());
+        second_dims = Some(y1.dims());
+        loss = loss + y1.clone().sum() + y1.sum_dim(0).sum();
+    }
+    let grads = loss.backward();
+    let f32s = |t: Tensor<A<B>, 2>| values(t.grad(&grads).expect("a gradient"));
+    let second = [w1, b1]
+        .into_iter()
+        .map(|t| {
+            t.grad(&grads)
+                .map(|g| (g.dims().to_vec(), g.dtype(), values(g)))
+        })
+        .collect();
+    Routed {
+        loss: values(loss)[0],
+        first: vec![f32s(x), f32s(w0), f32s(b0), f32s(gamma)],
+        second,
+        second_dims,
+    }
+}
+
+/// The mixture with an empty expert, against the same mixture without it.
+fn an_empty_expert_changes_nothing<B: Backend>(device: &B::Device, precision: Precision) {
+    let with = routed::<B>(device, precision, true);
+    let without = routed::<B>(device, precision, false);
+    assert_eq!(
+        with.second_dims,
+        Some([0, D_OUT]),
+        "the second expert's output"
+    );
+    assert_eq!(
+        with.loss, without.loss,
+        "the loss, with and without the empty expert"
+    );
+    for (name, (a, b)) in ["x", "w0", "b0", "gamma"]
+        .iter()
+        .zip(with.first.iter().zip(&without.first))
+    {
+        assert_eq!(
+            a, b,
+            "{name}'s gradient, with and without the empty expert ({precision})"
+        );
+        assert!(
+            a.iter().any(|v| *v != 0.0),
+            "{name}'s gradient is not all zeros"
+        );
+    }
+    for ((name, dims), grad) in [("w1", vec![D_IN, D_OUT]), ("b1", vec![1, D_OUT])]
+        .into_iter()
+        .zip(&with.second)
+    {
+        let (got_dims, dtype, v) = grad
+            .as_ref()
+            .unwrap_or_else(|| panic!("{name}: no gradient"));
+        assert_eq!(got_dims, &dims, "{name}'s gradient shape");
+        assert_eq!(
+            *dtype,
+            DType::F32,
+            "{name}'s gradient dtype (an f32 parameter)"
+        );
+        assert!(
+            v.iter().all(|v| *v == 0.0),
+            "{name}'s gradient is zeros: {v:?}"
+        );
+    }
+    assert!(
+        without.second.iter().all(Option::is_none),
+        "unused parameters get no gradient"
+    );
+}
+
+flex_and_wgpu_tests!(an_empty_expert_changes_nothing: empty_expert_flex_f16, empty_expert_flex_bf16, empty_expert_wgpu_f16);
+
+/// Single ops on empty tensors, with the values PyTorch gives.
+fn empty_ops_give_torch_values<B: Backend>(device: &B::Device, precision: Precision) {
+    type A<B> = Amp<Autodiff<B>>;
+    let _autocast = autocast(precision);
+    let empty = || Tensor::<A<B>, 2>::zeros([0, D_IN], device).require_grad();
+    assert_eq!(empty().dims(), [0, D_IN]);
+    assert_eq!(values(empty().sum()), [0.0], "the sum of nothing");
+    assert!(
+        values(empty().mean())[0].is_nan(),
+        "the mean of nothing is NaN"
+    );
+    let along = empty().sum_dim(0);
+    assert_eq!(
+        (along.dims(), values(along)),
+        ([1, D_IN], vec![0.0; D_IN]),
+        "a sum along the empty dimension"
+    );
+    assert!(
+        values(empty().mean_dim(0)).iter().all(|v| v.is_nan()),
+        "a mean along the empty dimension"
+    );
+    assert_eq!(empty().sum_dim(1).dims(), [0, 1]);
+    let inner = Tensor::<A<B>, 2>::ones([3, 0], device).matmul(Tensor::ones([0, 4], device));
+    assert_eq!(
+        (inner.dims(), values(inner)),
+        ([3, 4], vec![0.0; 12]),
+        "a matmul over an empty inner dimension"
+    );
+    let rows = empty().matmul(Tensor::ones([D_IN, 4], device));
+    assert_eq!(
+        (rows.dims(), rows.dtype()),
+        ([0, 4], low(precision)),
+        "a matmul of no row, autocast"
+    );
+    assert_eq!(empty().cast(low(precision)).dtype(), low(precision));
+    assert_eq!(empty().exp().dtype(), DType::F32, "exp runs in f32");
+    assert_eq!(empty().greater_elem(0.0).dims(), [0, D_IN]);
+    let x = Tensor::<A<B>, 2>::ones([3, D_IN], device);
+    let none = Tensor::<A<B>, 1, Int>::from_data(TensorData::new(Vec::<i64>::new(), [0]), device);
+    assert_eq!(x.clone().select(0, none.clone()).dims(), [0, D_IN]);
+    let unchanged = x
+        .clone()
+        .select_assign(0, none, empty(), IndexingUpdateOp::Add);
+    assert_eq!(values(unchanged), values(x), "adding nothing");
+}
+
+flex_and_wgpu_tests!(empty_ops_give_torch_values: empty_ops_flex_f16, empty_ops_flex_bf16, empty_ops_wgpu_f16);
+
+/// What plain Burn 0.21 does with an empty operand on this backend: the ops that panic.
+pub fn plain_burn_fails_on<B: Backend>(device: &B::Device) -> Vec<&'static str> {
+    let fails = |f: &dyn Fn() -> Vec<f32>| {
+        std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).is_err()
+    };
+    let mut failing = vec![];
+    let empty = || Tensor::<Autodiff<B>, 2>::zeros([0, D_IN], device);
+    if fails(&|| values(empty().matmul(Tensor::ones([D_IN, 4], device)))) {
+        failing.push("matmul of no row");
+    }
+    if fails(&|| {
+        values(Tensor::<Autodiff<B>, 2>::ones([3, 0], device).matmul(Tensor::ones([0, 4], device)))
+    }) {
+        failing.push("matmul over an empty inner dimension");
+    }
+    if fails(&|| values(empty().sum_dim(0))) {
+        failing.push("sum along an empty dimension");
+    }
+    failing
+}
+
+/// Measured on the unfused CubeCL backend of wgpu, where an op's panic is raised by the op
+/// itself (under fusion it comes out of whichever thread flushes the fused block), in this
+/// build without autotune. With autotune (Burn's default) the fused matmul with an empty
+/// operand panics too ("CallError"; `examples/gpu_check`'s stand-in run on CUDA, and wgpu).
+#[test]
+fn plain_wgpu_panics_on_empty_sums() {
+    if let Some(device) = common::wgpu_device() {
+        type Bare = burn_cubecl::CubeBackend<burn::backend::wgpu::WgpuRuntime, f32, i32, u32>;
+        assert_eq!(
+            plain_burn_fails_on::<Bare>(&device),
+            [
+                "matmul of no row",
+                "matmul over an empty inner dimension",
+                "sum along an empty dimension"
+            ],
+            "Burn 0.21 on wgpu; a Burn that runs these makes the matmul and reduction guards unneeded there"
+        );
+    }
+}
+
+#[test]
+fn plain_flex_runs_them() {
+    assert!(plain_burn_fails_on::<burn::backend::Flex>(&Default::default()).is_empty());
+}
