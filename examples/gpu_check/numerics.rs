@@ -7,7 +7,8 @@
 //!   f16 and bf16;
 //! - the Burn 0.21 defects `Amp` works around: products with signs and zeros against an f64
 //!   reference, interpolation's backward against Flex's, picks broadcast by fused ops, average
-//!   pools' gradients (and whether plain Burn gets those wrong on this backend too);
+//!   pools' gradients (and whether plain Burn gets those wrong on this backend too), ops on
+//!   empty tensors (on CUDA, plain Burn's refused launches);
 //! - random graphs, drawn while the time lasts: fused against unfused (f32, f16, bf16), Flex
 //!   against the unfused kernels (f32), and every saving of autocast on and off.
 //!
@@ -41,6 +42,8 @@ mod attention;
 mod cast_cache;
 #[path = "../../tests/autocast_numerics/deform_conv.rs"]
 mod deform_conv;
+#[path = "../../tests/autocast_numerics/empty.rs"]
+mod empty;
 #[path = "../../tests/autocast_numerics/interpolate.rs"]
 mod interpolate;
 #[path = "../../tests/autocast_numerics/pooling.rs"]
@@ -204,6 +207,20 @@ pub fn run<T: Target>(
                      alone), outputs and gradients within 1e-5 of Flex, Amp above and below \
                      autodiff"
                 ))
+            }),
+        ),
+        (
+            // Last of these: an op it misses on CUDA would end the device's stream.
+            "empty tensors: an expert given no token, and single ops, without a kernel",
+            Box::new(|| {
+                for &precision in lows {
+                    empty::an_empty_expert_changes_nothing::<F<T>>(device, precision);
+                    empty::empty_ops_give_torch_values::<F<T>>(device, precision);
+                }
+                ok(
+                    "loss and gradients bitwise those without the empty expert, its parameters' \
+                    gradients zeros; PyTorch's values for sums, means, matmuls, maxima of nothing",
+                )
             }),
         ),
     ];

@@ -1,13 +1,15 @@
 //! Macros that write the ~400 op forwards of `Amp<B>`. They carry no policy: float ops
 //! ask [`super::policy`] what to cast, everything else goes to `B` untouched.
 
-/// Forwards each listed op to the inner backend `B`, unchanged.
+/// Forwards each listed op to the inner backend `B`, unchanged (an op marked `=> via
+/// workarounds`: through that module, see [`autocast_call!`]).
 macro_rules! forward {
-    ($($(#[$attr:meta])* fn $name:ident($($arg:ident: $ty:ty),* $(,)?) $(-> $ret:ty)?;)*) => {$(
+    ($($(#[$attr:meta])* fn $name:ident($($arg:ident: $ty:ty),* $(,)?) $(-> $ret:ty)?
+        $(=> via $module:ident)?;)*) => {$(
         $(#[$attr])*
         #[inline(always)]
         fn $name($($arg: $ty),*) $(-> $ret)? {
-            B::$name($($arg),*)
+            $crate::backend::macros::autocast_call!($($module)? $name($($arg),*))
         }
     )*};
 }

@@ -4,7 +4,7 @@
 
 use burn_backend::ops::{FloatTensorOps, GridSampleOptions};
 use burn_backend::tensor::{BoolTensor, Device, FloatTensor, IndexingUpdateOp, IntTensor};
-use burn_backend::{Backend, Distribution, ExecutionError, Scalar, TensorData};
+use burn_backend::{Backend, Distribution, ExecutionError, Scalar, TensorData, TensorMetadata};
 use burn_std::{BoolDType, FloatDType, IntDType, Shape, Slice};
 
 use crate::backend::Amp;
@@ -110,16 +110,16 @@ impl<B: Backend> FloatTensorOps<Self> for Amp<B> {
         fn float_trunc(tensor: FloatTensor<Self>) -> FloatTensor<Self> => [t tensor];
         fn float_erf(tensor: FloatTensor<Self>) -> FloatTensor<Self> => [t tensor] via recompute;
         fn float_cat(tensors: Vec<FloatTensor<Self>>, dim: usize) -> FloatTensor<Self> => [vec tensors] via workarounds;
-        fn float_argmax(tensor: FloatTensor<Self>, dim: usize, out_dtype: IntDType) -> IntTensor<Self> => [t tensor];
+        fn float_argmax(tensor: FloatTensor<Self>, dim: usize, out_dtype: IntDType) -> IntTensor<Self> => [t tensor] via workarounds;
         fn float_argtopk(tensor: FloatTensor<Self>, dim: usize, k: usize, out_dtype: IntDType) -> IntTensor<Self> => [t tensor];
         fn float_topk(tensor: FloatTensor<Self>, dim: usize, k: usize) -> FloatTensor<Self> => [t tensor];
-        fn float_argmin(tensor: FloatTensor<Self>, dim: usize, out_dtype: IntDType) -> IntTensor<Self> => [t tensor];
+        fn float_argmin(tensor: FloatTensor<Self>, dim: usize, out_dtype: IntDType) -> IntTensor<Self> => [t tensor] via workarounds;
         fn float_max(tensor: FloatTensor<Self>) -> FloatTensor<Self> => [t tensor];
-        fn float_max_dim(tensor: FloatTensor<Self>, dim: usize) -> FloatTensor<Self> => [t tensor];
-        fn float_max_dim_with_indices(tensor: FloatTensor<Self>, dim: usize, indices_dtype: IntDType) -> (FloatTensor<Self>, IntTensor<Self>) => [t tensor];
+        fn float_max_dim(tensor: FloatTensor<Self>, dim: usize) -> FloatTensor<Self> => [t tensor] via workarounds;
+        fn float_max_dim_with_indices(tensor: FloatTensor<Self>, dim: usize, indices_dtype: IntDType) -> (FloatTensor<Self>, IntTensor<Self>) => [t tensor] via workarounds;
         fn float_min(tensor: FloatTensor<Self>) -> FloatTensor<Self> => [t tensor];
-        fn float_min_dim(tensor: FloatTensor<Self>, dim: usize) -> FloatTensor<Self> => [t tensor];
-        fn float_min_dim_with_indices(tensor: FloatTensor<Self>, dim: usize, indices_dtype: IntDType) -> (FloatTensor<Self>, IntTensor<Self>) => [t tensor];
+        fn float_min_dim(tensor: FloatTensor<Self>, dim: usize) -> FloatTensor<Self> => [t tensor] via workarounds;
+        fn float_min_dim_with_indices(tensor: FloatTensor<Self>, dim: usize, indices_dtype: IntDType) -> (FloatTensor<Self>, IntTensor<Self>) => [t tensor] via workarounds;
         fn float_max_abs(tensor: FloatTensor<Self>) -> FloatTensor<Self> => [t tensor];
         fn float_max_abs_dim(tensor: FloatTensor<Self>, dim: usize) -> FloatTensor<Self> => [t tensor];
         fn float_any(tensor: FloatTensor<Self>, out_dtype: BoolDType) -> BoolTensor<Self> => [t tensor];
@@ -141,6 +141,14 @@ impl<B: Backend> FloatTensorOps<Self> for Amp<B> {
         tensor: FloatTensor<Self>,
     ) -> impl Future<Output = Result<TensorData, ExecutionError>> + Send {
         crate::backend::count_host_read();
-        B::float_into_data(tensor)
+        let shape = tensor.shape();
+        async move {
+            if shape.num_elements() == 0 {
+                // CubeCL copies an empty tensor whose zero-sized dimension makes it look
+                // strided (`[3, 0]`) before reading it: a kernel CUDA refuses.
+                return Ok(TensorData::from_bytes_vec(vec![], shape, tensor.dtype()));
+            }
+            B::float_into_data(tensor).await
+        }
     }
 }

@@ -62,9 +62,9 @@ impl<B: Backend> IntTensorOps<Self> for Amp<B> {
         fn int_remainder_scalar(lhs: IntTensor<Self>, rhs: Scalar) -> IntTensor<Self>;
         fn int_matmul(lhs: IntTensor<Self>, rhs: IntTensor<Self>) -> IntTensor<Self>;
         fn int_neg(tensor: IntTensor<Self>) -> IntTensor<Self>;
-        fn int_zeros(shape: Shape, device: &Device<Self>, dtype: IntDType) -> IntTensor<Self>;
-        fn int_ones(shape: Shape, device: &Device<Self>, dtype: IntDType) -> IntTensor<Self>;
-        fn int_full(shape: Shape, fill_value: Scalar, device: &Device<Self>, dtype: IntDType) -> IntTensor<Self>;
+        fn int_zeros(shape: Shape, device: &Device<Self>, dtype: IntDType) -> IntTensor<Self> => via workarounds;
+        fn int_ones(shape: Shape, device: &Device<Self>, dtype: IntDType) -> IntTensor<Self> => via workarounds;
+        fn int_full(shape: Shape, fill_value: Scalar, device: &Device<Self>, dtype: IntDType) -> IntTensor<Self> => via workarounds;
         fn int_sum(tensor: IntTensor<Self>) -> IntTensor<Self>;
         fn int_sum_dim(tensor: IntTensor<Self>, dim: usize) -> IntTensor<Self>;
         fn int_prod(tensor: IntTensor<Self>) -> IntTensor<Self>;
@@ -92,7 +92,7 @@ impl<B: Backend> IntTensorOps<Self> for Amp<B> {
         fn int_swap_dims(tensor: IntTensor<Self>, dim1: usize, dim2: usize) -> IntTensor<Self>;
         fn int_permute(tensor: IntTensor<Self>, axes: &[usize]) -> IntTensor<Self>;
         fn int_flip(tensor: IntTensor<Self>, axes: &[usize]) -> IntTensor<Self>;
-        fn int_random(shape: Shape, distribution: Distribution, device: &Device<Self>, dtype: IntDType) -> IntTensor<Self>;
+        fn int_random(shape: Shape, distribution: Distribution, device: &Device<Self>, dtype: IntDType) -> IntTensor<Self> => via workarounds;
         fn int_arange_step(range: Range<i64>, step: usize, device: &Device<Self>, dtype: IntDType) -> IntTensor<Self>;
         fn int_arange(range: Range<i64>, device: &Device<Self>, dtype: IntDType) -> IntTensor<Self>;
         fn int_any(tensor: IntTensor<Self>, out_dtype: BoolDType) -> BoolTensor<Self>;

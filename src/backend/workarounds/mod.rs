@@ -52,9 +52,11 @@ mod pooling;
 mod products;
 
 pub(crate) use empty::{
-    embedding, float_cast, float_full, float_matmul, float_mean, float_mean_dim, float_ones,
-    float_random, float_scatter_add, float_select_add, float_slice_assign, float_sum,
-    float_sum_dim, float_zeros, linear,
+    bool_ones, bool_zeros, embedding, float_argmax, float_argmin, float_cast, float_full,
+    float_matmul, float_max_dim, float_max_dim_with_indices, float_mean, float_mean_dim,
+    float_min_dim, float_min_dim_with_indices, float_ones, float_random, float_scatter_add,
+    float_select_add, float_slice_assign, float_sum, float_sum_dim, float_zeros, int_full,
+    int_ones, int_random, int_zeros, linear,
 };
 pub(crate) use flex_views::{float_permute, float_swap_dims, float_transpose};
 pub(crate) use interpolate::interpolate;

@@ -32,12 +32,16 @@ use burn::backend::autodiff::grads::Gradients;
 use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
 use core::any::Any;
 
-use burn_backend::tensor::{Device, FloatTensor, IntTensor};
-use burn_backend::{Backend, DType, Distribution, Scalar, TensorMetadata, get_device_settings};
-use burn_std::{FloatDType, Shape, Slice};
+use burn_backend::tensor::{Device, FloatTensor};
+use burn_backend::{Backend, DType, Scalar, TensorMetadata, get_device_settings};
+use burn_std::{FloatDType, Shape};
 
 use crate::backend::concrete::{AutodiffTensor, Visit, dispatch, moved};
 use crate::backend::policy::Op;
+
+mod ops;
+
+pub(crate) use ops::*;
 
 /// What a result made without a kernel holds.
 #[derive(Debug, Clone, Copy)]
@@ -360,249 +364,6 @@ impl<B: Backend> EmptyInputs<B> {
     }
 }
 
-// Creation: an empty shape is an allocation, not a fill.
-
-pub(crate) fn float_zeros<B: Backend>(
-    shape: Shape,
-    device: &Device<B>,
-    dtype: FloatDType,
-) -> FloatTensor<B> {
-    if shape.num_elements() == 0 {
-        return B::float_empty(shape, device, dtype);
-    }
-    B::float_zeros(shape, device, dtype)
-}
-
-pub(crate) fn float_ones<B: Backend>(
-    shape: Shape,
-    device: &Device<B>,
-    dtype: FloatDType,
-) -> FloatTensor<B> {
-    if shape.num_elements() == 0 {
-        return B::float_empty(shape, device, dtype);
-    }
-    B::float_ones(shape, device, dtype)
-}
-
-pub(crate) fn float_full<B: Backend>(
-    shape: Shape,
-    fill_value: Scalar,
-    device: &Device<B>,
-    dtype: FloatDType,
-) -> FloatTensor<B> {
-    if shape.num_elements() == 0 {
-        return B::float_empty(shape, device, dtype);
-    }
-    B::float_full(shape, fill_value, device, dtype)
-}
-
-pub(crate) fn float_random<B: Backend>(
-    shape: Shape,
-    distribution: Distribution,
-    device: &Device<B>,
-    dtype: FloatDType,
-) -> FloatTensor<B> {
-    if shape.num_elements() == 0 {
-        return B::float_empty(shape, device, dtype);
-    }
-    B::float_random(shape, distribution, device, dtype)
-}
-
-pub(crate) fn float_cast<B: Backend>(tensor: FloatTensor<B>, dtype: FloatDType) -> FloatTensor<B> {
-    if is_empty(&tensor) && float_dtype(tensor.dtype()) != dtype {
-        let shape = tensor.shape();
-        return constant::<B>(vec![tensor], shape, dtype, Fill::Empty);
-    }
-    B::float_cast(tensor, dtype)
-}
-
-/// `[.., m, k] @ [.., k, n]`: empty when a batch dimension, `m` or `n` is 0; zeros when only
-/// `k` is.
-pub(crate) fn float_matmul<B: Backend>(lhs: FloatTensor<B>, rhs: FloatTensor<B>) -> FloatTensor<B> {
-    if (is_empty(&lhs) || is_empty(&rhs))
-        && let Some(shape) = matmul_shape(&lhs.shape(), &rhs.shape())
-    {
-        let dtype = float_dtype(lhs.dtype());
-        return constant::<B>(vec![lhs, rhs], shape, dtype, Fill::Value(0.0));
-    }
-    B::float_matmul(lhs, rhs)
-}
-
-fn matmul_shape(lhs: &Shape, rhs: &Shape) -> Option<Shape> {
-    let rank = lhs.num_dims();
-    if rank < 2 || rhs.num_dims() != rank || lhs[rank - 1] != rhs[rank - 2] {
-        return None;
-    }
-    let lhs_batch = Shape::from(lhs.as_slice()[..rank - 2].to_vec());
-    let rhs_batch = Shape::from(rhs.as_slice()[..rank - 2].to_vec());
-    let mut dims = if rank > 2 {
-        broadcast(&[lhs_batch, rhs_batch])?.as_slice().to_vec()
-    } else {
-        Vec::new()
-    };
-    dims.extend([lhs[rank - 2], rhs[rank - 1]]);
-    Some(Shape::from(dims))
-}
-
-/// `x @ weight (+ bias)`, `weight` `[d_in, d_out]`.
-pub(crate) fn linear<B: Backend>(
-    x: FloatTensor<B>,
-    weight: FloatTensor<B>,
-    bias: Option<FloatTensor<B>>,
-) -> FloatTensor<B> {
-    let (x_shape, w_shape) = (x.shape(), weight.shape());
-    let rank = x_shape.num_dims();
-    if (is_empty(&x) || is_empty(&weight))
-        && w_shape.num_dims() == 2
-        && x_shape[rank - 1] == w_shape[0]
-    {
-        let mut dims = x_shape.as_slice().to_vec();
-        dims[rank - 1] = w_shape[1];
-        let shape = Shape::from(dims);
-        let dtype = float_dtype(x.dtype());
-        if shape.num_elements() == 0 {
-            let mut inputs = vec![x, weight];
-            inputs.extend(bias);
-            return constant::<B>(inputs, shape, dtype, Fill::Empty);
-        }
-        // Only the inner dimension is empty: the bias alone.
-        let zeros = constant::<B>(vec![x, weight], shape, dtype, Fill::Value(0.0));
-        return match bias {
-            Some(bias) => B::float_add(zeros, bias),
-            None => zeros,
-        };
-    }
-    B::linear(x, weight, bias)
-}
-
-/// The sum of nothing: 0.
-pub(crate) fn float_sum<B: Backend>(tensor: FloatTensor<B>) -> FloatTensor<B> {
-    reduced_all::<B>(tensor, 0.0).unwrap_or_else(B::float_sum)
-}
-
-/// The mean of nothing: NaN (PyTorch's too).
-pub(crate) fn float_mean<B: Backend>(tensor: FloatTensor<B>) -> FloatTensor<B> {
-    reduced_all::<B>(tensor, f64::NAN).unwrap_or_else(B::float_mean)
-}
-
-fn reduced_all<B: Backend>(
-    tensor: FloatTensor<B>,
-    value: f64,
-) -> Result<FloatTensor<B>, FloatTensor<B>> {
-    if !is_empty(&tensor) {
-        return Err(tensor);
-    }
-    let dtype = float_dtype(tensor.dtype());
-    Ok(constant::<B>(
-        vec![tensor],
-        Shape::from(vec![1]),
-        dtype,
-        Fill::Value(value),
-    ))
-}
-
-pub(crate) fn float_sum_dim<B: Backend>(tensor: FloatTensor<B>, dim: usize) -> FloatTensor<B> {
-    reduced_dim::<B>(tensor, dim, 0.0)
-        .unwrap_or_else(|t| super::flex_views::float_sum_dim::<B>(t, dim))
-}
-
-pub(crate) fn float_mean_dim<B: Backend>(tensor: FloatTensor<B>, dim: usize) -> FloatTensor<B> {
-    reduced_dim::<B>(tensor, dim, f64::NAN)
-        .unwrap_or_else(|t| super::flex_views::float_mean_dim::<B>(t, dim))
-}
-
-fn reduced_dim<B: Backend>(
-    tensor: FloatTensor<B>,
-    dim: usize,
-    value: f64,
-) -> Result<FloatTensor<B>, FloatTensor<B>> {
-    if !is_empty(&tensor) {
-        return Err(tensor);
-    }
-    let mut shape = tensor.shape();
-    shape[dim] = 1;
-    let dtype = float_dtype(tensor.dtype());
-    Ok(constant::<B>(
-        vec![tensor],
-        shape,
-        dtype,
-        Fill::Value(value),
-    ))
-}
-
-/// A pick of no index, or from an empty tensor: empty, the picked shape.
-pub(crate) fn picked<B: Backend>(
-    tensor: FloatTensor<B>,
-    indices: &IntTensor<B>,
-    shape: impl FnOnce(&Shape, &Shape) -> Shape,
-) -> Result<FloatTensor<B>, FloatTensor<B>> {
-    let index_shape = indices.shape();
-    if index_shape.num_elements() > 0 && !is_empty(&tensor) {
-        return Err(tensor);
-    }
-    let shape = shape(&tensor.shape(), &index_shape);
-    if shape.num_elements() > 0 {
-        return Err(tensor);
-    }
-    let dtype = float_dtype(tensor.dtype());
-    Ok(constant::<B>(vec![tensor], shape, dtype, Fill::Empty))
-}
-
-/// `embedding(weights [n, d], indices [..])`: `[.., d]`.
-pub(crate) fn embedding<B: Backend>(
-    weights: FloatTensor<B>,
-    indices: IntTensor<B>,
-) -> FloatTensor<B> {
-    match picked::<B>(weights, &indices, |w, i| {
-        let mut dims = i.as_slice().to_vec();
-        dims.push(w[w.num_dims() - 1]);
-        Shape::from(dims)
-    }) {
-        Ok(out) => out,
-        Err(weights) => B::embedding(weights, indices),
-    }
-}
-
-/// Whether adding or writing `value` into a tensor changes nothing (it holds no element).
-fn writes_nothing<B: Backend>(value: &FloatTensor<B>) -> bool {
-    is_empty(value)
-}
-
-pub(crate) fn float_select_add<B: Backend>(
-    tensor: FloatTensor<B>,
-    dim: usize,
-    indices: IntTensor<B>,
-    value: FloatTensor<B>,
-) -> FloatTensor<B> {
-    if writes_nothing::<B>(&value) {
-        return tensor;
-    }
-    B::float_select_add(tensor, dim, indices, value)
-}
-
-pub(crate) fn float_scatter_add<B: Backend>(
-    dim: usize,
-    tensor: FloatTensor<B>,
-    indices: IntTensor<B>,
-    value: FloatTensor<B>,
-) -> FloatTensor<B> {
-    if writes_nothing::<B>(&value) {
-        return tensor;
-    }
-    B::float_scatter_add(dim, tensor, indices, value)
-}
-
-pub(crate) fn float_slice_assign<B: Backend>(
-    tensor: FloatTensor<B>,
-    slices: &[Slice],
-    value: FloatTensor<B>,
-) -> FloatTensor<B> {
-    if writes_nothing::<B>(&value) {
-        return tensor;
-    }
-    B::float_slice_assign(tensor, slices, value)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -617,16 +378,5 @@ mod tests {
         assert_eq!(broadcast(&[s(&[0, 1]), s(&[1, 8])]), Some(s(&[0, 8])));
         assert_eq!(broadcast(&[s(&[0, 8]), s(&[3, 8])]), None);
         assert_eq!(broadcast(&[s(&[0, 8]), s(&[8])]), None);
-    }
-
-    #[test]
-    fn matmul_shapes() {
-        assert_eq!(matmul_shape(&s(&[0, 8]), &s(&[8, 4])), Some(s(&[0, 4])));
-        assert_eq!(matmul_shape(&s(&[3, 0]), &s(&[0, 4])), Some(s(&[3, 4])));
-        assert_eq!(
-            matmul_shape(&s(&[2, 1, 0, 8]), &s(&[1, 5, 8, 4])),
-            Some(s(&[2, 5, 0, 4]))
-        );
-        assert_eq!(matmul_shape(&s(&[0, 8]), &s(&[7, 4])), None);
     }
 }
