@@ -211,15 +211,20 @@ pub fn run<T: Target>(
         ),
         (
             // Last of these: an op it misses on CUDA would end the device's stream.
-            "empty tensors: an expert given no token, and single ops, without a kernel",
+            "empty tensors: an expert given no token, an empty batch through convolutions, \
+             single float, int and bool ops, without a kernel",
             Box::new(|| {
                 for &precision in lows {
                     empty::an_empty_expert_changes_nothing::<F<T>>(device, precision);
                     empty::empty_ops_give_torch_values::<F<T>>(device, precision);
+                    empty::an_expert_added_back_with_no_token_gets_zeros::<F<T>>(device, precision);
+                    empty::an_empty_batch_through_convolutions::<F<T>>(device, precision);
+                    empty::empty_ints_and_bools::<F<T>>(device, precision);
                 }
                 ok(
                     "loss and gradients bitwise those without the empty expert, its parameters' \
-                    gradients zeros; PyTorch's values for sums, means, matmuls, maxima of nothing",
+                    gradients zeros (added back in place too; convolution weights and biases over \
+                    an empty batch); PyTorch's values for sums, means, matmuls, maxima of nothing",
                 )
             }),
         ),

@@ -5,13 +5,36 @@
 /// workarounds`: through that module, see [`autocast_call!`]).
 macro_rules! forward {
     ($($(#[$attr:meta])* fn $name:ident($($arg:ident: $ty:ty),* $(,)?) $(-> $ret:ty)?
-        $(=> via $module:ident)?;)*) => {$(
+        $(=> via $module:ident)?
+        $(=> empty [$kind:ident $first:ident $(, $kinds:ident $inputs:ident)*] $out:ident($dtype:expr))?;)*) => {$(
         $(#[$attr])*
         #[inline(always)]
         fn $name($($arg: $ty),*) $(-> $ret)? {
+            $(forward_empty!($out($dtype) $kind $first $(, $inputs)*);)?
             $crate::backend::macros::autocast_call!($($module)? $name($($arg),*))
         }
     )*};
+}
+
+/// An int or bool op marked `=> empty [inputs] out(dtype)` (its result has the broadcast shape
+/// of its tensor inputs, an `out` tensor of `dtype`): with an empty input, its empty result,
+/// made without `B`'s kernel (which CUDA refuses). The first input gives the device.
+macro_rules! forward_empty {
+    ($out:ident($dtype:expr) $kind:ident $first:ident $(, $input:ident)*) => {
+        let shapes = [
+            burn_backend::TensorMetadata::shape(&$first),
+            $(burn_backend::TensorMetadata::shape(&$input),)*
+        ];
+        if let Some(shape) = $crate::backend::workarounds::empty::empty_broadcast(&shapes) {
+            let device = forward_empty!(@device $kind $first);
+            return forward_empty!(@made $out shape device $dtype);
+        }
+    };
+    (@device int $x:ident) => { B::int_device(&$x) };
+    (@device bool $x:ident) => { B::bool_device(&$x) };
+    (@made int $shape:ident $device:ident $dtype:expr) => { B::int_empty($shape, &$device, $dtype) };
+    (@made bool $shape:ident $device:ident $dtype:expr) => { B::bool_empty($shape, &$device, $dtype) };
+    (@made float $shape:ident $device:ident $dtype:expr) => { B::float_empty($shape, &$device, $dtype) };
 }
 
 /// Forwards each listed op to `B` and rewraps its `TensorPrimitive<B>` result as
@@ -192,5 +215,6 @@ macro_rules! autocast_input {
 }
 
 pub(crate) use {
-    autocast_call, autocast_empty, autocast_input, autocast_ops, forward, forward_primitive,
+    autocast_call, autocast_empty, autocast_input, autocast_ops, forward, forward_empty,
+    forward_primitive,
 };

@@ -9,7 +9,9 @@
 //! are bitwise those of the same model without the second expert, and the second expert's
 //! parameters get zero gradients (PyTorch's `grad` there), not none. Then single ops: sums
 //! and means of nothing, a matmul over an empty inner dimension, casts, comparisons, maxima
-//! (and a clear panic along the empty dimension), `select_assign` of nothing.
+//! (and a clear panic along the empty dimension), `select_assign` of nothing. A mixture that
+//! adds its experts back in place, one given no token; convolutions, pooling and interpolation
+//! over an empty batch; int and bool ops on empty tensors.
 
 use burn::backend::Autodiff;
 use burn::tensor::activation::relu;
@@ -200,6 +202,221 @@ pub fn empty_ops_give_torch_values<B: Backend>(device: &B::Device, precision: Pr
 }
 
 flex_and_wgpu_tests!(empty_ops_give_torch_values: empty_ops_flex_f16, empty_ops_flex_bf16, empty_ops_wgpu_f16);
+
+/// A mixture that adds each expert's output back in place (`select_assign` with `Add`), the
+/// second expert given no token: its weight gets a zero gradient, as PyTorch's `index_add`
+/// gives, not none (the write of nothing keeps it in the graph; before, `Amp` dropped it); the
+/// first expert's gradient is bitwise that without the second.
+pub fn an_expert_added_back_with_no_token_gets_zeros<B: Backend>(
+    device: &B::Device,
+    precision: Precision,
+) {
+    type A<B> = Amp<Autodiff<B>>;
+    let _autocast = autocast(precision);
+    let run = |second_expert: bool| {
+        let mut next = uniform(11);
+        let mut param = |dims: [usize; 2]| {
+            let v: Vec<f32> = (0..dims[0] * dims[1]).map(|_| on_grid(next())).collect();
+            Tensor::<A<B>, 2>::from_data(TensorData::new(v, dims), device).require_grad()
+        };
+        let (x, w0, w1) = (
+            param([TOKENS, D_IN]),
+            param([D_IN, D_IN]),
+            param([D_IN, D_IN]),
+        );
+        let indices = |v: Vec<i64>| {
+            let n = v.len();
+            Tensor::<A<B>, 1, Int>::from_data(TensorData::new(v, [n]), device)
+        };
+        let mut routes = vec![(indices((0..TOKENS as i64).collect()), w0.clone())];
+        if second_expert {
+            routes.push((indices(vec![]), w1.clone()));
+        }
+        let mut out = x.zeros_like();
+        for (tokens, w) in routes {
+            let y = relu(x.clone().select(0, tokens.clone()).matmul(w));
+            out = out.select_assign(0, tokens, y, IndexingUpdateOp::Add);
+        }
+        let grads = (out.clone() * out).sum().backward();
+        let read = |t: &Tensor<A<B>, 2>| t.grad(&grads).map(|g| (g.dims(), values(g)));
+        (read(&w0), read(&w1))
+    };
+    let ((dims0, with), w1) = {
+        let (w0, w1) = run(true);
+        (w0.expect("the first expert's gradient"), w1)
+    };
+    let (_, without) = run(false).0.expect("the first expert's gradient");
+    assert_eq!(dims0, [D_IN, D_IN]);
+    assert_eq!(
+        with, without,
+        "w0's gradient, with and without the empty expert"
+    );
+    assert!(
+        with.iter().any(|v| *v != 0.0),
+        "w0's gradient is not all zeros"
+    );
+    let (dims1, zeros) = w1.expect("the empty expert's weight gets a gradient");
+    assert_eq!(dims1, [D_IN, D_IN], "its shape");
+    assert!(zeros.iter().all(|v| *v == 0.0), "zeros: {zeros:?}");
+}
+
+flex_and_wgpu_tests!(an_expert_added_back_with_no_token_gets_zeros: added_back_flex_f16, added_back_flex_bf16, added_back_wgpu_f16);
+
+/// Convolutions, pooling and interpolation over an empty batch (a detection head given no
+/// proposal): PyTorch's shapes, the autocast dtype, and zero gradients for the weights and
+/// biases (PyTorch's), none dropped.
+pub fn an_empty_batch_through_convolutions<B: Backend>(device: &B::Device, precision: Precision) {
+    use burn::tensor::module::{
+        adaptive_avg_pool1d, adaptive_avg_pool2d, avg_pool1d, avg_pool2d, conv_transpose2d, conv1d,
+        conv2d, interpolate, max_pool1d, max_pool2d, max_pool2d_with_indices,
+    };
+    use burn::tensor::ops::{
+        ConvOptions, ConvTransposeOptions, InterpolateMode, InterpolateOptions,
+    };
+    type A<B> = Amp<Autodiff<B>>;
+    let _autocast = autocast(precision);
+    let ones = |dims: [usize; 4]| Tensor::<A<B>, 4>::ones(dims, device).require_grad();
+    let bias = || Tensor::<A<B>, 1>::ones([4], device).require_grad();
+    let (w, b, wt, bt) = (ones([4, 3, 3, 3]), bias(), ones([4, 4, 2, 2]), bias());
+    let x = Tensor::<A<B>, 4>::zeros([0, 3, 9, 9], device).require_grad();
+    let y = conv2d(
+        x,
+        w.clone(),
+        Some(b.clone()),
+        ConvOptions::new([2, 2], [1, 1], [1, 1], 1),
+    );
+    assert_eq!(
+        (y.dims(), y.dtype()),
+        ([0, 4, 5, 5], low(precision)),
+        "conv2d"
+    );
+    let y = max_pool2d(y, [2, 2], [2, 2], [0, 0], [1, 1], true);
+    assert_eq!(y.dims(), [0, 4, 3, 3], "max_pool2d, ceil_mode");
+    let (y, at) = max_pool2d_with_indices(y, [2, 2], [1, 1], [0, 0], [1, 1], false);
+    assert_eq!(
+        (y.dims(), at.dims()),
+        ([0, 4, 2, 2], [0, 4, 2, 2]),
+        "with indices"
+    );
+    let y = avg_pool2d(y, [2, 2], [1, 1], [1, 1], true, false);
+    assert_eq!(y.dims(), [0, 4, 3, 3], "avg_pool2d");
+    let y = interpolate(
+        y,
+        [6, 7],
+        InterpolateOptions::new(InterpolateMode::Bilinear),
+    );
+    assert_eq!(y.dims(), [0, 4, 6, 7], "interpolate");
+    let y = conv_transpose2d(
+        y,
+        wt.clone(),
+        Some(bt.clone()),
+        ConvTransposeOptions::new([2, 2], [0, 0], [1, 1], [1, 1], 1),
+    );
+    assert_eq!(y.dims(), [0, 4, 13, 15], "conv_transpose2d");
+    let y = adaptive_avg_pool2d(y, [2, 3]);
+    assert_eq!(y.dims(), [0, 4, 2, 3], "adaptive_avg_pool2d");
+    let s = Tensor::<A<B>, 3>::zeros([0, 4, 10], device).require_grad();
+    let w1 = Tensor::<A<B>, 3>::ones([2, 4, 3], device).require_grad();
+    let s = conv1d(s, w1.clone(), None, ConvOptions::new([1], [0], [1], 1));
+    let s = max_pool1d(avg_pool1d(s, 2, 2, 0, true, false), 2, 1, 0, 1, false);
+    let s = adaptive_avg_pool1d(s, 5);
+    assert_eq!(
+        s.dims(),
+        [0, 2, 5],
+        "conv1d, avg_pool1d, max_pool1d, adaptive_avg_pool1d"
+    );
+    let grads = (y.sum() + s.sum()).backward();
+    for (name, grad, dims) in [
+        ("conv2d weight", w.grad(&grads).map(values), 4 * 3 * 3 * 3),
+        (
+            "conv_transpose2d weight",
+            wt.grad(&grads).map(values),
+            4 * 4 * 2 * 2,
+        ),
+        ("conv1d weight", w1.grad(&grads).map(values), 2 * 4 * 3),
+    ] {
+        let grad = grad.unwrap_or_else(|| panic!("{name}: no gradient"));
+        assert_eq!(grad, vec![0.0; dims], "{name}'s gradient is zeros");
+    }
+    for (name, grad) in [
+        ("conv2d bias", b.grad(&grads)),
+        ("conv_transpose2d bias", bt.grad(&grads)),
+    ] {
+        let grad = grad.unwrap_or_else(|| panic!("{name}: no gradient"));
+        assert_eq!(values(grad), vec![0.0; 4], "{name}'s gradient is zeros");
+    }
+}
+
+flex_and_wgpu_tests!(an_empty_batch_through_convolutions: empty_batch_flex_f16, empty_batch_flex_bf16, empty_batch_wgpu_f16);
+
+/// Int and bool ops on empty tensors (the indices of an expert given no token): shapes,
+/// dtypes, and PyTorch's values for the sums of nothing.
+pub fn empty_ints_and_bools<B: Backend>(device: &B::Device, precision: Precision) {
+    type A<B> = Amp<Autodiff<B>>;
+    let _autocast = autocast(precision);
+    let none =
+        || Tensor::<A<B>, 1, Int>::from_data(TensorData::new(Vec::<i64>::new(), [0]), device);
+    let routed = Tensor::<A<B>, 1, Int>::from_data(TensorData::new(vec![0i64, 1, 0], [3]), device);
+    let no_token = routed.clone().equal_elem(2).argwhere().squeeze_dim::<1>(1);
+    assert_eq!(no_token.dims(), [0], "argwhere of nothing");
+    let int_dtype = no_token.dtype();
+    let shifted = (no_token.clone() + 3) * 2 - none();
+    assert_eq!(
+        (shifted.dims(), shifted.dtype()),
+        ([0], int_dtype),
+        "int arithmetic"
+    );
+    assert_eq!(none().cast(DType::I32).dtype(), DType::I32, "int cast");
+    let mask = none().greater_elem(1);
+    assert_eq!(mask.dims(), [0], "int comparison");
+    let bool_dtype = mask.dtype();
+    let flipped = mask.clone().bool_not().bool_and(none().lower(none()));
+    assert_eq!(
+        (flipped.dims(), flipped.dtype()),
+        ([0], bool_dtype),
+        "bool ops"
+    );
+    let as_float = mask.clone().float();
+    assert_eq!(
+        (as_float.dims(), as_float.dtype()),
+        ([0], DType::F32),
+        "bool to float"
+    );
+    assert_eq!(mask.int().dims(), [0], "bool to int");
+    assert_eq!(none().float().dims(), [0], "int to float");
+    assert_eq!(
+        Tensor::<A<B>, 2>::zeros([0, D_IN], device).int().dims(),
+        [0, D_IN],
+        "float to int"
+    );
+    assert_eq!(
+        routed.clone().select(0, none()).dims(),
+        [0],
+        "int select of no index"
+    );
+    let gathered = Tensor::<A<B>, 2, Int>::ones([3, 4], device)
+        .gather(1, Tensor::<A<B>, 2, Int>::zeros([3, 0], device));
+    assert_eq!(gathered.dims(), [3, 0], "int gather of no index");
+    let sum = none()
+        .sum()
+        .into_data()
+        .convert::<i64>()
+        .to_vec::<i64>()
+        .unwrap();
+    assert_eq!(sum, [0], "the int sum of nothing");
+    let along = none().reshape([0, 1]).sum_dim(0);
+    let along = (
+        along.dims(),
+        along.into_data().convert::<i64>().to_vec::<i64>().unwrap(),
+    );
+    assert_eq!(
+        along,
+        ([1, 1], vec![0]),
+        "an int sum along the empty dimension"
+    );
+}
+
+flex_and_wgpu_tests!(empty_ints_and_bools: empty_ints_flex_f16, empty_ints_flex_bf16, empty_ints_wgpu_f16);
 
 /// What plain Burn 0.21 does with an empty operand on this backend: the ops that panic.
 pub fn plain_burn_fails_on<B: Backend>(device: &B::Device) -> Vec<&'static str> {

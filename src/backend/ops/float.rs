@@ -4,7 +4,7 @@
 
 use burn_backend::ops::{FloatTensorOps, GridSampleOptions};
 use burn_backend::tensor::{BoolTensor, Device, FloatTensor, IndexingUpdateOp, IntTensor};
-use burn_backend::{Backend, Distribution, ExecutionError, Scalar, TensorData, TensorMetadata};
+use burn_backend::{Backend, Distribution, ExecutionError, Scalar, TensorData};
 use burn_std::{BoolDType, FloatDType, IntDType, Shape, Slice};
 
 use crate::backend::Amp;
@@ -19,7 +19,7 @@ impl<B: Backend> FloatTensorOps<Self> for Amp<B> {
         fn float_full(shape: Shape, fill_value: Scalar, device: &Device<Self>, dtype: FloatDType) -> FloatTensor<Self> => [s fill_value] via workarounds;
         fn float_device(tensor: &FloatTensor<Self>) -> Device<Self> => [];
         fn float_to_device(tensor: FloatTensor<Self>, device: &Device<Self>) -> FloatTensor<Self> => [t tensor];
-        fn float_into_int(tensor: FloatTensor<Self>, out_dtype: IntDType) -> IntTensor<Self> => [t tensor];
+        fn float_into_int(tensor: FloatTensor<Self>, out_dtype: IntDType) -> IntTensor<Self> => [t tensor] via workarounds;
         fn float_empty(shape: Shape, device: &Device<Self>, dtype: FloatDType) -> FloatTensor<Self> => [];
         fn float_repeat_dim(tensor: FloatTensor<Self>, dim: usize, times: usize) -> FloatTensor<Self> => [t tensor];
         fn float_add(lhs: FloatTensor<Self>, rhs: FloatTensor<Self>) -> FloatTensor<Self> => [t lhs, t rhs];
@@ -43,7 +43,7 @@ impl<B: Backend> FloatTensorOps<Self> for Amp<B> {
         fn float_swap_dims(tensor: FloatTensor<Self>, dim1: usize, dim2: usize) -> FloatTensor<Self> => [t tensor] via workarounds;
         fn float_permute(tensor: FloatTensor<Self>, axes: &[usize]) -> FloatTensor<Self> => [t tensor] via workarounds;
         fn float_flip(tensor: FloatTensor<Self>, axes: &[usize]) -> FloatTensor<Self> => [t tensor];
-        fn float_reshape(tensor: FloatTensor<Self>, shape: Shape) -> FloatTensor<Self> => [t tensor];
+        fn float_reshape(tensor: FloatTensor<Self>, shape: Shape) -> FloatTensor<Self> => [t tensor] via workarounds;
         fn float_gather(dim: usize, tensor: FloatTensor<Self>, indices: IntTensor<Self>) -> FloatTensor<Self> => [t tensor] via workarounds;
         fn float_scatter_add(dim: usize, tensor: FloatTensor<Self>, indices: IntTensor<Self>, value: FloatTensor<Self>) -> FloatTensor<Self> => [t tensor, t value] via workarounds;
         fn float_scatter_nd(data: FloatTensor<Self>, indices: IntTensor<Self>, values: FloatTensor<Self>, reduction: IndexingUpdateOp) -> FloatTensor<Self> => [t data, t values];
@@ -141,14 +141,12 @@ impl<B: Backend> FloatTensorOps<Self> for Amp<B> {
         tensor: FloatTensor<Self>,
     ) -> impl Future<Output = Result<TensorData, ExecutionError>> + Send {
         crate::backend::count_host_read();
-        let shape = tensor.shape();
+        let empty = crate::backend::workarounds::empty::no_data(&tensor);
         async move {
-            if shape.num_elements() == 0 {
-                // CubeCL copies an empty tensor whose zero-sized dimension makes it look
-                // strided (`[3, 0]`) before reading it: a kernel CUDA refuses.
-                return Ok(TensorData::from_bytes_vec(vec![], shape, tensor.dtype()));
+            match empty {
+                Some(data) => Ok(data),
+                None => B::float_into_data(tensor).await,
             }
-            B::float_into_data(tensor).await
         }
     }
 }

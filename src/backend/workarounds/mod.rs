@@ -52,15 +52,17 @@ mod pooling;
 mod products;
 
 pub(crate) use empty::{
-    bool_ones, bool_zeros, embedding, float_argmax, float_argmin, float_cast, float_full,
-    float_matmul, float_max_dim, float_max_dim_with_indices, float_mean, float_mean_dim,
-    float_min_dim, float_min_dim_with_indices, float_ones, float_random, float_scatter_add,
+    adaptive_avg_pool1d, adaptive_avg_pool2d, avg_pool2d, bool_ones, bool_reshape, bool_zeros,
+    conv_transpose1d, conv_transpose2d, conv_transpose3d, conv1d, conv2d, conv3d, embedding,
+    float_argmax, float_argmin, float_cast, float_full, float_into_int, float_matmul,
+    float_max_dim, float_max_dim_with_indices, float_mean, float_mean_dim, float_min_dim,
+    float_min_dim_with_indices, float_ones, float_random, float_reshape, float_scatter_add,
     float_select_add, float_slice_assign, float_sum, float_sum_dim, float_zeros, int_full,
-    int_ones, int_random, int_zeros, linear,
+    int_gather, int_ones, int_random, int_reshape, int_select, int_sum, int_sum_dim, int_zeros,
+    interpolate, linear, max_pool1d, max_pool1d_with_indices, max_pool2d, max_pool2d_with_indices,
 };
 pub(crate) use flex_views::{float_permute, float_swap_dims, float_transpose};
-pub(crate) use interpolate::interpolate;
-pub(crate) use pooling::{avg_pool1d, avg_pool2d, avg_pool2d_backward};
+pub(crate) use pooling::{avg_pool1d, avg_pool2d_backward};
 pub(crate) use products::{float_cumprod, float_prod, float_prod_dim};
 
 use burn_backend::Backend;

@@ -214,7 +214,8 @@ pub(crate) fn avg_pool1d<B: Backend>(
     let shape = x.shape();
     let (n, c, length) = (shape[0], shape[1], shape[2]);
     let x = B::float_reshape(x, Shape::from(vec![n, c, length, 1]));
-    let out = avg_pool2d::<B>(
+    // Through the empty-batch check too.
+    let out = super::avg_pool2d::<B>(
         x,
         [kernel_size, 1],
         [stride, 1],

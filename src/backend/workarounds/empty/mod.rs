@@ -17,14 +17,17 @@
 //! the result does not depend on them, and a parameter reached only through an empty batch
 //! gets a zero gradient, as in PyTorch, rather than none.
 //!
-//! Covered: float creation; the elementwise ops, activations and comparisons (their result has
-//! the broadcast shape of their float inputs, [`Elementwise`]; checked in `autocast_ops!`);
-//! casts, `matmul`, `linear`, `sum`, `mean`, `sum_dim`, `mean_dim`, `select`, `gather`,
-//! `embedding`; `select_add`, `scatter_add` and `slice_assign` of an empty value (the tensor
-//! itself). Not covered: int and bool ops (`Amp` forwards them untouched), convolutions and
-//! pooling over an empty batch, and burn-autodiff's own backward ops (they run on `B`
-//! directly): a gradient of an empty tensor that autodiff has to add to another still
-//! launches on CUDA.
+//! Covered: creation (float, int, bool); the elementwise ops, activations and comparisons
+//! (their result has the broadcast shape of their float inputs, [`Elementwise`]; checked in
+//! `autocast_ops!`), and those of int and bool tensors, conversions between the kinds included
+//! (marked `=> empty` in `forward!`); casts, `matmul`, `linear`, `sum`, `mean`, `sum_dim`,
+//! `mean_dim`, max and min along a dimension, `select`, `gather`, `embedding` (float; `select`,
+//! `gather`, `sum`, `sum_dim` of ints); `select_add`, `scatter_add` and `slice_assign` of an
+//! empty value (the tensor itself, with the value kept in the graph); convolutions, pooling
+//! and `interpolate` over an empty batch (`batch`). Not covered: the other int and bool ops
+//! (sorts, reductions but the sum, `cat` and views need none), `deform_conv2d`, and
+//! burn-autodiff's own backward ops (they run on `B` directly): a gradient of an empty tensor
+//! that autodiff has to add to another still launches on CUDA.
 
 use burn::backend::autodiff::checkpoint::base::Checkpointer;
 use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
@@ -33,14 +36,16 @@ use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
 use core::any::Any;
 
 use burn_backend::tensor::{Device, FloatTensor};
-use burn_backend::{Backend, DType, Scalar, TensorMetadata, get_device_settings};
+use burn_backend::{Backend, DType, Scalar, TensorData, TensorMetadata, get_device_settings};
 use burn_std::{FloatDType, Shape};
 
 use crate::backend::concrete::{AutodiffTensor, Visit, dispatch, moved};
 use crate::backend::policy::Op;
 
+mod batch;
 mod ops;
 
+pub(crate) use batch::*;
 pub(crate) use ops::*;
 
 /// What a result made without a kernel holds.
@@ -75,6 +80,15 @@ fn filled<X: Backend>(
     }
 }
 
+/// What a node made here gives.
+#[derive(Debug, Clone)]
+enum Made {
+    /// A tensor of this shape and dtype that depends on none of the inputs.
+    Constant(Shape, FloatDType, Fill),
+    /// The first input unchanged (a write of nothing into it): its gradient passes through.
+    First,
+}
+
 /// The result of an op that does not depend on its float `inputs` (not empty: the op's
 /// device is theirs), as one autodiff node over them when `B` is a listed autodiff backend.
 fn constant<B: Backend>(
@@ -83,49 +97,64 @@ fn constant<B: Backend>(
     dtype: FloatDType,
     fill: Fill,
 ) -> FloatTensor<B> {
+    made::<B>(inputs, Made::Constant(shape, dtype, fill))
+}
+
+/// `tensor` after a write of the empty `value` into it: `tensor` itself, but under autodiff a
+/// node over both, so that what made `value` stays in the graph (its parameters get a zero
+/// gradient, as from `B`'s own op, not none).
+fn unchanged<B: Backend>(tensor: FloatTensor<B>, value: FloatTensor<B>) -> FloatTensor<B> {
+    made::<B>(vec![tensor, value], Made::First)
+}
+
+fn made<B: Backend>(inputs: Vec<FloatTensor<B>>, result: Made) -> FloatTensor<B> {
     struct Call<P> {
         inputs: Vec<P>,
-        shape: Shape,
-        dtype: FloatDType,
-        fill: Fill,
+        result: Made,
     }
     impl<P: 'static> Visit for Call<P> {
         type Out = P;
         fn visit<X: Backend, C: CheckpointStrategy>(self) -> P {
             let inputs: Vec<AutodiffTensor<X>> = moved(self.inputs);
-            let device = X::float_device(&inputs[0].primitive);
-            let out = filled::<X>(self.shape, self.fill, &device, self.dtype);
+            let first = matches!(self.result, Made::First);
+            let out = match self.result {
+                Made::Constant(shape, dtype, fill) => {
+                    let device = X::float_device(&inputs[0].primitive);
+                    filled::<X>(shape, fill, &device, dtype)
+                }
+                Made::First => inputs[0].primitive.clone(),
+            };
             moved(match inputs.len() {
-                1 => node::<X, C, 1>(inputs, out),
-                2 => node::<X, C, 2>(inputs, out),
-                3 => node::<X, C, 3>(inputs, out),
+                1 => node::<X, C, 1>(inputs, out, first),
+                2 => node::<X, C, 2>(inputs, out, first),
+                3 => node::<X, C, 3>(inputs, out, first),
                 n => unreachable!("an op of {n} float inputs"),
             })
         }
     }
     let device = B::float_device(&inputs[0]);
-    match dispatch::<B, _>(Call {
-        inputs,
-        shape,
-        dtype,
-        fill,
-    }) {
+    match dispatch::<B, _>(Call { inputs, result }) {
         Ok(out) => out,
         // Not a listed autodiff backend: the tensor alone.
-        Err(call) => filled::<B>(call.shape, call.fill, &device, call.dtype),
+        Err(Call {
+            result: Made::Constant(shape, dtype, fill),
+            ..
+        }) => filled::<B>(shape, fill, &device, dtype),
+        Err(Call { mut inputs, .. }) => inputs.swap_remove(0),
     }
 }
 
 fn node<X: Backend, C: CheckpointStrategy, const N: usize>(
     inputs: Vec<AutodiffTensor<X>>,
     out: FloatTensor<X>,
+    first_through: bool,
 ) -> AutodiffTensor<X> {
     let inputs: [AutodiffTensor<X>; N] = match inputs.try_into() {
         Ok(inputs) => inputs,
         Err(_) => unreachable!("called with N inputs"),
     };
     let parents = inputs.each_ref().map(|t| t.node.clone());
-    match ConstantBackward
+    match KernelFreeBackward
         .prepare::<C>(parents)
         .compute_bound()
         .stateful()
@@ -133,8 +162,11 @@ fn node<X: Backend, C: CheckpointStrategy, const N: usize>(
         OpsKind::Tracked(prep) => {
             let state = inputs
                 .iter()
-                .map(|t| {
-                    if is_empty(&t.primitive) {
+                .enumerate()
+                .map(|(i, t)| {
+                    if i == 0 && first_through {
+                        Input::Through
+                    } else if is_empty(&t.primitive) {
                         Input::Empty(t.clone())
                     } else {
                         Input::Zeros(t.primitive.shape(), float_dtype(t.primitive.dtype()))
@@ -147,21 +179,24 @@ fn node<X: Backend, C: CheckpointStrategy, const N: usize>(
     }
 }
 
-/// An input of a [`ConstantBackward`] node: the shape and dtype of its zero gradient, or, if
-/// empty, the tensor itself (to see whether it has its gradient already).
+/// An input of a [`KernelFreeBackward`] node: the shape and dtype of its zero gradient, or, if
+/// empty, the tensor itself (to see whether it has its gradient already), or the input the
+/// result is (its gradient is the result's).
 #[derive(Debug, Clone)]
 enum Input<X: Backend> {
     Zeros(Shape, FloatDType),
     Empty(AutodiffTensor<X>),
+    Through,
 }
 
-/// The backward of a result that does not depend on its inputs: zeros of each input's shape
-/// and dtype. An empty input gets an empty gradient once: a second would be added to the
-/// first by burn-autodiff, with a kernel (on CUDA, refused).
+/// The backward of a result made without a kernel: zeros of each input's shape and dtype (the
+/// result does not depend on them), the result's gradient for the input it is. An empty input
+/// gets an empty gradient once: a second would be added to the first by burn-autodiff, with a
+/// kernel (on CUDA, refused).
 #[derive(Debug)]
-struct ConstantBackward;
+struct KernelFreeBackward;
 
-impl<X: Backend, const N: usize> Backward<X, N> for ConstantBackward {
+impl<X: Backend, const N: usize> Backward<X, N> for KernelFreeBackward {
     type State = Vec<Input<X>>;
 
     fn backward(self, ops: Ops<Self::State, N>, grads: &mut Gradients, _: &mut Checkpointer) {
@@ -173,6 +208,7 @@ impl<X: Backend, const N: usize> Backward<X, N> for ConstantBackward {
                 Input::Zeros(shape, dtype) => {
                     grads.register::<X>(parent.id, X::float_zeros(shape, &device, dtype))
                 }
+                Input::Through => grads.register::<X>(parent.id, grad.clone()),
                 Input::Empty(tensor) if grads.get::<X>(&tensor).is_none() => {
                     let (shape, dtype) = (tensor.primitive.shape(), tensor.primitive.dtype());
                     let empty = X::float_empty(shape, &device, float_dtype(dtype));
@@ -205,6 +241,24 @@ fn broadcast(shapes: &[Shape]) -> Option<Shape> {
         dims.push(dim);
     }
     Some(Shape::from(dims))
+}
+
+/// The data of an empty tensor, read without `B`: CubeCL copies an empty tensor whose
+/// zero-sized dimension makes it look strided (`[3, 0]`) before reading it, a kernel CUDA
+/// refuses.
+pub(crate) fn no_data<T: TensorMetadata>(tensor: &T) -> Option<TensorData> {
+    is_empty(tensor).then(|| TensorData::from_bytes_vec(vec![], tensor.shape(), tensor.dtype()))
+}
+
+/// The result's shape of an elementwise int or bool op over tensors of `shapes` when one is
+/// empty and so is the result, else `None` (then `B` runs the op, and says why if they do not
+/// broadcast). A shape read per input, no allocation.
+#[inline(always)]
+pub(crate) fn empty_broadcast(shapes: &[Shape]) -> Option<Shape> {
+    if shapes.iter().all(|s| s.num_elements() > 0) {
+        return None;
+    }
+    broadcast(shapes).filter(|s| s.num_elements() == 0)
 }
 
 /// What an elementwise op gives: its result has the broadcast shape of its float tensor

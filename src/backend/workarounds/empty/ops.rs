@@ -5,7 +5,7 @@ use burn_backend::tensor::{BoolTensor, Device, FloatTensor, IntTensor};
 use burn_backend::{Backend, Distribution, Scalar, TensorMetadata};
 use burn_std::{BoolDType, FloatDType, IntDType, Shape, Slice};
 
-use super::{Fill, broadcast, constant, float_dtype, is_empty};
+use super::{Fill, broadcast, constant, float_dtype, is_empty, unchanged};
 
 /// Creation ops: an empty shape is an allocation (`*_empty`), not a fill kernel.
 macro_rules! created {
@@ -192,44 +192,115 @@ pub(crate) fn embedding<B: Backend>(
     }
 }
 
-/// Whether adding or writing `value` into a tensor changes nothing (it holds no element).
-fn writes_nothing<B: Backend>(value: &FloatTensor<B>) -> bool {
-    is_empty(value)
+/// A reshape of an empty tensor: a new empty tensor, not a view. Burn's fusion fuses a view of
+/// an empty tensor into the next elementwise block, whose kernel then takes the view's empty
+/// shape for its grid (through the stand-in driver: a zero grid, refused).
+pub(crate) fn float_reshape<B: Backend>(tensor: FloatTensor<B>, shape: Shape) -> FloatTensor<B> {
+    if is_empty(&tensor) && shape.num_elements() == 0 {
+        let dtype = float_dtype(tensor.dtype());
+        return constant::<B>(vec![tensor], shape, dtype, Fill::Empty);
+    }
+    B::float_reshape(tensor, shape)
 }
 
-pub(crate) fn float_select_add<B: Backend>(
-    tensor: FloatTensor<B>,
+pub(crate) fn int_reshape<B: Backend>(tensor: IntTensor<B>, shape: Shape) -> IntTensor<B> {
+    if is_empty(&tensor) && shape.num_elements() == 0 {
+        return B::int_empty(shape, &B::int_device(&tensor), tensor.dtype().into());
+    }
+    B::int_reshape(tensor, shape)
+}
+
+pub(crate) fn bool_reshape<B: Backend>(tensor: BoolTensor<B>, shape: Shape) -> BoolTensor<B> {
+    if is_empty(&tensor) && shape.num_elements() == 0 {
+        return B::bool_empty(shape, &B::bool_device(&tensor), tensor.dtype().into());
+    }
+    B::bool_reshape(tensor, shape)
+}
+
+/// An int pick of no index, or from an empty tensor: empty.
+fn int_picked<B: Backend>(tensor: &IntTensor<B>, shape: Shape) -> Option<IntTensor<B>> {
+    (shape.num_elements() == 0)
+        .then(|| B::int_empty(shape, &B::int_device(tensor), tensor.dtype().into()))
+}
+
+pub(crate) fn int_select<B: Backend>(
+    tensor: IntTensor<B>,
     dim: usize,
     indices: IntTensor<B>,
-    value: FloatTensor<B>,
-) -> FloatTensor<B> {
-    if writes_nothing::<B>(&value) {
-        return tensor;
+) -> IntTensor<B> {
+    let (mut shape, index_shape) = (tensor.shape(), indices.shape());
+    if shape.num_elements() == 0 || index_shape.num_elements() == 0 {
+        shape[dim] = index_shape[0];
+        if let Some(out) = int_picked::<B>(&tensor, shape) {
+            return out;
+        }
     }
-    B::float_select_add(tensor, dim, indices, value)
+    B::int_select(tensor, dim, indices)
 }
 
-pub(crate) fn float_scatter_add<B: Backend>(
+pub(crate) fn int_gather<B: Backend>(
     dim: usize,
-    tensor: FloatTensor<B>,
+    tensor: IntTensor<B>,
     indices: IntTensor<B>,
-    value: FloatTensor<B>,
-) -> FloatTensor<B> {
-    if writes_nothing::<B>(&value) {
-        return tensor;
+) -> IntTensor<B> {
+    match int_picked::<B>(&tensor, indices.shape()) {
+        Some(out) => out,
+        None => B::int_gather(dim, tensor, indices),
     }
-    B::float_scatter_add(dim, tensor, indices, value)
 }
 
-pub(crate) fn float_slice_assign<B: Backend>(
-    tensor: FloatTensor<B>,
-    slices: &[Slice],
-    value: FloatTensor<B>,
-) -> FloatTensor<B> {
-    if writes_nothing::<B>(&value) {
-        return tensor;
+/// The int sum of nothing: 0.
+pub(crate) fn int_sum<B: Backend>(tensor: IntTensor<B>) -> IntTensor<B> {
+    if tensor.shape().num_elements() == 0 {
+        let device = B::int_device(&tensor);
+        return B::int_zeros(Shape::from(vec![1]), &device, tensor.dtype().into());
     }
-    B::float_slice_assign(tensor, slices, value)
+    B::int_sum(tensor)
+}
+
+pub(crate) fn int_sum_dim<B: Backend>(tensor: IntTensor<B>, dim: usize) -> IntTensor<B> {
+    let mut shape = tensor.shape();
+    if shape.num_elements() == 0 {
+        shape[dim] = 1;
+        let device = B::int_device(&tensor);
+        return int_zeros::<B>(shape, &device, tensor.dtype().into());
+    }
+    B::int_sum_dim(tensor, dim)
+}
+
+/// An empty float tensor as ints: empty.
+pub(crate) fn float_into_int<B: Backend>(
+    tensor: FloatTensor<B>,
+    out_dtype: IntDType,
+) -> IntTensor<B> {
+    if is_empty(&tensor) {
+        return B::int_empty(tensor.shape(), &B::float_device(&tensor), out_dtype);
+    }
+    B::float_into_int(tensor, out_dtype)
+}
+
+/// `select_add`, `scatter_add` and `slice_assign` of an empty `value`: the tensor unchanged
+/// (what `value` came from stays in the graph).
+macro_rules! writes_of_nothing {
+    ($($name:ident([$($before:ident: $bty:ty),*] tensor [$($after:ident: $aty:ty),*]);)*) => {$(
+        pub(crate) fn $name<B: Backend>(
+            $($before: $bty,)*
+            tensor: FloatTensor<B>,
+            $($after: $aty,)*
+            value: FloatTensor<B>,
+        ) -> FloatTensor<B> {
+            if is_empty(&value) {
+                return unchanged::<B>(tensor, value);
+            }
+            B::$name($($before,)* tensor, $($after,)* value)
+        }
+    )*};
+}
+
+writes_of_nothing! {
+    float_select_add([] tensor [dim: usize, indices: IntTensor<B>]);
+    float_scatter_add([dim: usize] tensor [indices: IntTensor<B>]);
+    float_slice_assign([] tensor [slices: &[Slice]]);
 }
 
 /// The shape of a max or min along `dim` of an empty tensor (empty too), `None` for a tensor

@@ -1,0 +1,211 @@
+//! Convolutions, pooling and interpolation over an empty batch (a detection head given no
+//! proposal, the images a mask selects when it selects none): the result's shape from Burn's
+//! own shape rules, no kernel. The weight and bias get zero gradients, as in PyTorch.
+
+use burn_backend::ops::conv::{
+    calculate_conv_output_shape, calculate_conv_transpose_output_shape, calculate_pool_output_shape,
+};
+use burn_backend::ops::{
+    ConvOptions, ConvTransposeOptions, InterpolateOptions, MaxPool1dWithIndices,
+    MaxPool2dWithIndices,
+};
+use burn_backend::tensor::{FloatTensor, IntTensor};
+use burn_backend::{Backend, TensorMetadata, get_device_settings};
+use burn_std::{MetadataError, Shape};
+
+use super::super::{interpolate as interpolated, pooling};
+use super::{Fill, constant, float_dtype, is_empty};
+
+/// The result's shape when `x` is empty and so is the result, else `None` (then `B` runs the
+/// op: over an empty channel dimension a convolution gives its bias, which needs a kernel).
+fn empty_result<B: Backend>(
+    x: &FloatTensor<B>,
+    shape: impl FnOnce(&Shape) -> Result<Shape, MetadataError>,
+) -> Option<Shape> {
+    if !is_empty(x) {
+        return None;
+    }
+    shape(&x.shape()).ok().filter(|s| s.num_elements() == 0)
+}
+
+/// The empty result over `inputs` (`x` first: the result's dtype is its own).
+fn empty_over<B: Backend>(inputs: Vec<FloatTensor<B>>, shape: Shape) -> FloatTensor<B> {
+    let dtype = float_dtype(inputs[0].dtype());
+    constant::<B>(inputs, shape, dtype, Fill::Empty)
+}
+
+macro_rules! convolutions {
+    ($($name:ident($options:ident<$n:literal>) => |$x:ident, $w:ident, $o:ident| $shape:expr;)*) => {$(
+        pub(crate) fn $name<B: Backend>(
+            x: FloatTensor<B>,
+            weight: FloatTensor<B>,
+            bias: Option<FloatTensor<B>>,
+            options: $options<$n>,
+        ) -> FloatTensor<B> {
+            let ($w, $o) = (weight.shape(), &options);
+            if let Some(shape) = empty_result::<B>(&x, |$x| $shape) {
+                let mut inputs = vec![x, weight];
+                inputs.extend(bias);
+                return empty_over::<B>(inputs, shape);
+            }
+            B::$name(x, weight, bias, options)
+        }
+    )*};
+}
+
+convolutions! {
+    conv1d(ConvOptions<1>) => |x, w, o| calculate_conv_output_shape(x, &w, &o.stride, &o.padding, &o.dilation);
+    conv2d(ConvOptions<2>) => |x, w, o| calculate_conv_output_shape(x, &w, &o.stride, &o.padding, &o.dilation);
+    conv3d(ConvOptions<3>) => |x, w, o| calculate_conv_output_shape(x, &w, &o.stride, &o.padding, &o.dilation);
+    conv_transpose1d(ConvTransposeOptions<1>) => |x, w, o| calculate_conv_transpose_output_shape(
+        x, &w, &o.stride, &o.padding, &o.padding_out, &o.dilation, o.groups);
+    conv_transpose2d(ConvTransposeOptions<2>) => |x, w, o| calculate_conv_transpose_output_shape(
+        x, &w, &o.stride, &o.padding, &o.padding_out, &o.dilation, o.groups);
+    conv_transpose3d(ConvTransposeOptions<3>) => |x, w, o| calculate_conv_transpose_output_shape(
+        x, &w, &o.stride, &o.padding, &o.padding_out, &o.dilation, o.groups);
+}
+
+/// `[n, c, ..]` with the trailing dimensions `size`.
+fn resized(x: &Shape, size: &[usize]) -> Result<Shape, MetadataError> {
+    if x.num_dims() != size.len() + 2 {
+        return Err(MetadataError::RankMismatch {
+            left: x.num_dims(),
+            right: size.len() + 2,
+        });
+    }
+    Ok(Shape::from([&x.as_slice()[..2], size].concat()))
+}
+
+pub(crate) fn avg_pool2d<B: Backend>(
+    x: FloatTensor<B>,
+    kernel_size: [usize; 2],
+    stride: [usize; 2],
+    padding: [usize; 2],
+    count_include_pad: bool,
+    ceil_mode: bool,
+) -> FloatTensor<B> {
+    let pooled = |x: &Shape| {
+        calculate_pool_output_shape(x, &kernel_size, &stride, &padding, &[1, 1], ceil_mode)
+    };
+    if let Some(shape) = empty_result::<B>(&x, pooled) {
+        return empty_over::<B>(vec![x], shape);
+    }
+    pooling::avg_pool2d::<B>(
+        x,
+        kernel_size,
+        stride,
+        padding,
+        count_include_pad,
+        ceil_mode,
+    )
+}
+
+/// A 1d pool's window parameter (`usize`) or a 2d pool's (`[usize; 2]`), per dimension.
+trait Window<const N: usize>: Copy {
+    fn per_dim(self) -> [usize; N];
+}
+
+impl Window<1> for usize {
+    fn per_dim(self) -> [usize; 1] {
+        [self]
+    }
+}
+
+impl Window<2> for [usize; 2] {
+    fn per_dim(self) -> [usize; 2] {
+        self
+    }
+}
+
+/// The empty result of a max pool and its empty indices.
+fn with_indices<B: Backend>(x: FloatTensor<B>, shape: Shape) -> (FloatTensor<B>, IntTensor<B>) {
+    let device = B::float_device(&x);
+    let dtype = get_device_settings::<B>(&device).int_dtype;
+    let indices = B::int_empty(shape.clone(), &device, dtype);
+    (empty_over::<B>(vec![x], shape), indices)
+}
+
+macro_rules! max_pools {
+    ($($name:ident<$n:literal>($window:ty) -> $ret:ty = |$x:ident, $shape:ident| $empty:expr;)*) => {$(
+        pub(crate) fn $name<B: Backend>(
+            x: FloatTensor<B>,
+            kernel_size: $window,
+            stride: $window,
+            padding: $window,
+            dilation: $window,
+            ceil_mode: bool,
+        ) -> $ret {
+            let pooled = |x: &Shape| {
+                calculate_pool_output_shape::<$n>(
+                    x,
+                    &kernel_size.per_dim(),
+                    &stride.per_dim(),
+                    &padding.per_dim(),
+                    &dilation.per_dim(),
+                    ceil_mode,
+                )
+            };
+            if let Some($shape) = empty_result::<B>(&x, pooled) {
+                let $x = x;
+                return $empty;
+            }
+            B::$name(x, kernel_size, stride, padding, dilation, ceil_mode)
+        }
+    )*};
+}
+
+max_pools! {
+    max_pool1d<1>(usize) -> FloatTensor<B> = |x, shape| empty_over::<B>(vec![x], shape);
+    max_pool2d<2>([usize; 2]) -> FloatTensor<B> = |x, shape| empty_over::<B>(vec![x], shape);
+    max_pool1d_with_indices<1>(usize) -> MaxPool1dWithIndices<B> = |x, shape| {
+        let (output, indices) = with_indices::<B>(x, shape);
+        MaxPool1dWithIndices::new(output, indices)
+    };
+    max_pool2d_with_indices<2>([usize; 2]) -> MaxPool2dWithIndices<B> = |x, shape| {
+        let (output, indices) = with_indices::<B>(x, shape);
+        MaxPool2dWithIndices::new(output, indices)
+    };
+}
+
+pub(crate) fn adaptive_avg_pool1d<B: Backend>(
+    x: FloatTensor<B>,
+    output_size: usize,
+) -> FloatTensor<B> {
+    if let Some(shape) = empty_result::<B>(&x, |x| resized(x, &[output_size])) {
+        return empty_over::<B>(vec![x], shape);
+    }
+    B::adaptive_avg_pool1d(x, output_size)
+}
+
+pub(crate) fn adaptive_avg_pool2d<B: Backend>(
+    x: FloatTensor<B>,
+    output_size: [usize; 2],
+) -> FloatTensor<B> {
+    if let Some(shape) = empty_result::<B>(&x, |x| resized(x, &output_size)) {
+        return empty_over::<B>(vec![x], shape);
+    }
+    B::adaptive_avg_pool2d(x, output_size)
+}
+
+pub(crate) fn interpolate<B: Backend>(
+    x: FloatTensor<B>,
+    output_size: [usize; 2],
+    options: InterpolateOptions,
+) -> FloatTensor<B> {
+    if let Some(shape) = empty_result::<B>(&x, |x| resized(x, &output_size)) {
+        return empty_over::<B>(vec![x], shape);
+    }
+    interpolated::interpolate::<B>(x, output_size, options)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn resized_keeps_batch_and_channels() {
+        let x = Shape::from(vec![0, 3, 8, 8]);
+        assert_eq!(resized(&x, &[2, 5]).unwrap(), Shape::from(vec![0, 3, 2, 5]));
+        assert!(resized(&x, &[2]).is_err());
+    }
+}
