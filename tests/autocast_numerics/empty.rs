@@ -1,4 +1,4 @@
-//! Empty tensors under `Amp` (`src/backend/workarounds/empty.rs`): Burn 0.21's CubeCL
+//! Empty tensors under `Amp` (`src/backend/workarounds/empty/`): Burn 0.21's CubeCL
 //! backends fail on them (on wgpu a matmul with an empty operand and a sum along an empty
 //! dimension panic, on CUDA every kernel over an empty tensor is refused), `Amp` answers
 //! those ops without a kernel.

@@ -7,7 +7,8 @@
 //! (tracel-ai/cubecl#1349, after 0.10.0, skips them). On wgpu and CUDA alike, a matmul with an
 //! empty operand panics in the matmul's launch ("CallError"), and a sum or mean along an empty
 //! dimension in the reduce autotune. Measured by `examples/gpu_check`'s `empty` cases through
-//! the stand-in driver (`scripts/cuda-compile-check.sh`), and by `tests/empty.rs` on wgpu.
+//! the stand-in driver (`scripts/cuda-compile-check.sh`), and by
+//! `tests/autocast_numerics/empty.rs` on wgpu.
 //!
 //! `Amp` answers such an op without `B`'s kernel: an empty result is made with `float_empty`
 //! (an allocation, no launch), a result that holds values (the sum of nothing: 0; the mean of
