@@ -1,8 +1,10 @@
 //! Macros that write the ~400 op forwards of `Amp<B>`. They carry no policy: float ops
-//! ask [`super::policy`] what to cast, everything else goes to `B` untouched.
+//! ask [`super::policy`] what to cast, everything else goes to `B` untouched (but for ops on
+//! empty tensors, which `B`'s CUDA kernels cannot run: `workarounds::empty`).
 
 /// Forwards each listed op to the inner backend `B`, unchanged (an op marked `=> via
-/// workarounds`: through that module, see [`autocast_call!`]).
+/// workarounds`: through that module, see [`autocast_call!`]; one marked `=> empty`: its
+/// empty result made here when an input is empty, see [`forward_empty!`]).
 macro_rules! forward {
     ($($(#[$attr:meta])* fn $name:ident($($arg:ident: $ty:ty),* $(,)?) $(-> $ret:ty)?
         $(=> via $module:ident)?
