@@ -14,6 +14,7 @@ use burn_backend::{Backend, TensorMetadata, get_device_settings};
 use burn_std::{MetadataError, Shape};
 
 use super::super::{interpolate as interpolated, pooling};
+use super::ops::{empty_like, with_indices};
 use super::{Fill, constant, float_dtype, is_empty};
 
 /// The result's shape when `x` is empty and so is the result, else `None` (then `B` runs the
@@ -28,12 +29,6 @@ fn empty_result<B: Backend>(
     shape(&x.shape()).ok().filter(|s| s.num_elements() == 0)
 }
 
-/// The empty result over `inputs` (`x` first: the result's dtype is its own).
-fn empty_over<B: Backend>(inputs: Vec<FloatTensor<B>>, shape: Shape) -> FloatTensor<B> {
-    let dtype = float_dtype(inputs[0].dtype());
-    constant::<B>(inputs, shape, dtype, Fill::Empty)
-}
-
 macro_rules! convolutions {
     ($($name:ident($options:ident<$n:literal>) => |$x:ident, $w:ident, $o:ident| $shape:expr;)*) => {$(
         pub(crate) fn $name<B: Backend>(
@@ -44,9 +39,10 @@ macro_rules! convolutions {
         ) -> FloatTensor<B> {
             let ($w, $o) = (weight.shape(), &options);
             if let Some(shape) = empty_result::<B>(&x, |$x| $shape) {
+                let dtype = float_dtype(x.dtype());
                 let mut inputs = vec![x, weight];
                 inputs.extend(bias);
-                return empty_over::<B>(inputs, shape);
+                return constant::<B>(inputs, shape, dtype, Fill::Empty);
             }
             B::$name(x, weight, bias, options)
         }
@@ -88,7 +84,7 @@ pub(crate) fn avg_pool2d<B: Backend>(
         calculate_pool_output_shape(x, &kernel_size, &stride, &padding, &[1, 1], ceil_mode)
     };
     if let Some(shape) = empty_result::<B>(&x, pooled) {
-        return empty_over::<B>(vec![x], shape);
+        return empty_like::<B>(x, shape);
     }
     pooling::avg_pool2d::<B>(
         x,
@@ -117,12 +113,13 @@ impl Window<2> for [usize; 2] {
     }
 }
 
-/// The empty result of a max pool and its empty indices.
-fn with_indices<B: Backend>(x: FloatTensor<B>, shape: Shape) -> (FloatTensor<B>, IntTensor<B>) {
-    let device = B::float_device(&x);
-    let dtype = get_device_settings::<B>(&device).int_dtype;
-    let indices = B::int_empty(shape.clone(), &device, dtype);
-    (empty_over::<B>(vec![x], shape), indices)
+/// The empty result of a max pool and its empty indices, in the device's int dtype.
+fn pooled_with_indices<B: Backend>(
+    x: FloatTensor<B>,
+    shape: Shape,
+) -> (FloatTensor<B>, IntTensor<B>) {
+    let dtype = get_device_settings::<B>(&B::float_device(&x)).int_dtype;
+    with_indices::<B>(x, shape, dtype)
 }
 
 macro_rules! max_pools {
@@ -155,14 +152,14 @@ macro_rules! max_pools {
 }
 
 max_pools! {
-    max_pool1d<1>(usize) -> FloatTensor<B> = |x, shape| empty_over::<B>(vec![x], shape);
-    max_pool2d<2>([usize; 2]) -> FloatTensor<B> = |x, shape| empty_over::<B>(vec![x], shape);
+    max_pool1d<1>(usize) -> FloatTensor<B> = |x, shape| empty_like::<B>(x, shape);
+    max_pool2d<2>([usize; 2]) -> FloatTensor<B> = |x, shape| empty_like::<B>(x, shape);
     max_pool1d_with_indices<1>(usize) -> MaxPool1dWithIndices<B> = |x, shape| {
-        let (output, indices) = with_indices::<B>(x, shape);
+        let (output, indices) = pooled_with_indices::<B>(x, shape);
         MaxPool1dWithIndices::new(output, indices)
     };
     max_pool2d_with_indices<2>([usize; 2]) -> MaxPool2dWithIndices<B> = |x, shape| {
-        let (output, indices) = with_indices::<B>(x, shape);
+        let (output, indices) = pooled_with_indices::<B>(x, shape);
         MaxPool2dWithIndices::new(output, indices)
     };
 }
@@ -172,7 +169,7 @@ pub(crate) fn adaptive_avg_pool1d<B: Backend>(
     output_size: usize,
 ) -> FloatTensor<B> {
     if let Some(shape) = empty_result::<B>(&x, |x| resized(x, &[output_size])) {
-        return empty_over::<B>(vec![x], shape);
+        return empty_like::<B>(x, shape);
     }
     B::adaptive_avg_pool1d(x, output_size)
 }
@@ -182,7 +179,7 @@ pub(crate) fn adaptive_avg_pool2d<B: Backend>(
     output_size: [usize; 2],
 ) -> FloatTensor<B> {
     if let Some(shape) = empty_result::<B>(&x, |x| resized(x, &output_size)) {
-        return empty_over::<B>(vec![x], shape);
+        return empty_like::<B>(x, shape);
     }
     B::adaptive_avg_pool2d(x, output_size)
 }
@@ -193,7 +190,7 @@ pub(crate) fn interpolate<B: Backend>(
     options: InterpolateOptions,
 ) -> FloatTensor<B> {
     if let Some(shape) = empty_result::<B>(&x, |x| resized(x, &output_size)) {
-        return empty_over::<B>(vec![x], shape);
+        return empty_like::<B>(x, shape);
     }
     interpolated::interpolate::<B>(x, output_size, options)
 }

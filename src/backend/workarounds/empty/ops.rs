@@ -378,12 +378,14 @@ pub(crate) fn float_argmin<B: Backend>(
     }
 }
 
-fn empty_like<B: Backend>(tensor: FloatTensor<B>, shape: Shape) -> FloatTensor<B> {
+/// An empty result of `shape` over `tensor`, in its dtype.
+pub(super) fn empty_like<B: Backend>(tensor: FloatTensor<B>, shape: Shape) -> FloatTensor<B> {
     let dtype = float_dtype(tensor.dtype());
     constant::<B>(vec![tensor], shape, dtype, Fill::Empty)
 }
 
-fn with_indices<B: Backend>(
+/// The empty result of a max or min and its empty indices.
+pub(super) fn with_indices<B: Backend>(
     tensor: FloatTensor<B>,
     shape: Shape,
     indices_dtype: IntDType,
