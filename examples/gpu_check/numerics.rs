@@ -212,7 +212,7 @@ pub fn run<T: Target>(
         (
             // Last of these: an op it misses on CUDA would end the device's stream.
             "empty tensors: an expert given no token, an empty batch through convolutions, \
-             single float, int and bool ops, without a kernel",
+             single float, int and bool ops, reductions, sorts and views, without a kernel",
             Box::new(|| {
                 for &precision in lows {
                     empty::an_empty_expert_changes_nothing::<F<T>>(device, precision);
@@ -220,11 +220,13 @@ pub fn run<T: Target>(
                     empty::an_expert_added_back_with_no_token_gets_zeros::<F<T>>(device, precision);
                     empty::an_empty_batch_through_convolutions::<F<T>>(device, precision);
                     empty::empty_ints_and_bools::<F<T>>(device, precision);
+                    empty::empty_reductions_sorts_and_views::<F<T>>(device, precision);
                 }
                 ok(
                     "loss and gradients bitwise those without the empty expert, its parameters' \
                     gradients zeros (added back in place too; convolution weights and biases over \
-                    an empty batch); PyTorch's values for sums, means, matmuls, maxima of nothing",
+                    an empty batch, through empty views); PyTorch's values for sums, means, \
+                    products, matmuls, any and all of nothing, a clear panic for maxima of nothing",
                 )
             }),
         ),

@@ -30,7 +30,7 @@ impl<B: Backend> BoolTensorOps<Self> for Amp<B> {
         fn bool_scatter_or(dim: usize, tensor: BoolTensor<Self>, indices: IntTensor<Self>, value: BoolTensor<Self>) -> BoolTensor<Self>;
         fn bool_select(tensor: BoolTensor<Self>, dim: usize, indices: IntTensor<Self>) -> BoolTensor<Self>;
         fn bool_select_or(tensor: BoolTensor<Self>, dim: usize, indices: IntTensor<Self>, value: BoolTensor<Self>) -> BoolTensor<Self>;
-        fn bool_repeat_dim(tensor: BoolTensor<Self>, dim: usize, times: usize) -> BoolTensor<Self>;
+        fn bool_repeat_dim(tensor: BoolTensor<Self>, dim: usize, times: usize) -> BoolTensor<Self> => via workarounds;
         fn bool_cat(tensors: Vec<BoolTensor<Self>>, dim: usize) -> BoolTensor<Self>;
         fn bool_equal(lhs: BoolTensor<Self>, rhs: BoolTensor<Self>) -> BoolTensor<Self> => empty [bool lhs, bool rhs] bool(lhs.dtype().into());
         fn bool_not_equal(lhs: BoolTensor<Self>, rhs: BoolTensor<Self>) -> BoolTensor<Self> => empty [bool lhs, bool rhs] bool(lhs.dtype().into());
@@ -40,17 +40,17 @@ impl<B: Backend> BoolTensorOps<Self> for Amp<B> {
         fn bool_and(lhs: BoolTensor<Self>, rhs: BoolTensor<Self>) -> BoolTensor<Self> => empty [bool lhs, bool rhs] bool(lhs.dtype().into());
         fn bool_or(lhs: BoolTensor<Self>, rhs: BoolTensor<Self>) -> BoolTensor<Self> => empty [bool lhs, bool rhs] bool(lhs.dtype().into());
         fn bool_xor(lhs: BoolTensor<Self>, rhs: BoolTensor<Self>) -> BoolTensor<Self> => empty [bool lhs, bool rhs] bool(lhs.dtype().into());
-        fn bool_transpose(tensor: BoolTensor<Self>) -> BoolTensor<Self>;
-        fn bool_swap_dims(tensor: BoolTensor<Self>, dim1: usize, dim2: usize) -> BoolTensor<Self>;
-        fn bool_permute(tensor: BoolTensor<Self>, axes: &[usize]) -> BoolTensor<Self>;
+        fn bool_transpose(tensor: BoolTensor<Self>) -> BoolTensor<Self> => via workarounds;
+        fn bool_swap_dims(tensor: BoolTensor<Self>, dim1: usize, dim2: usize) -> BoolTensor<Self> => via workarounds;
+        fn bool_permute(tensor: BoolTensor<Self>, axes: &[usize]) -> BoolTensor<Self> => via workarounds;
         fn bool_flip(tensor: BoolTensor<Self>, axes: &[usize]) -> BoolTensor<Self> => empty [bool tensor] bool(tensor.dtype().into());
-        fn bool_any(tensor: BoolTensor<Self>) -> BoolTensor<Self>;
-        fn bool_any_dim(tensor: BoolTensor<Self>, dim: usize) -> BoolTensor<Self>;
-        fn bool_all(tensor: BoolTensor<Self>) -> BoolTensor<Self>;
-        fn bool_all_dim(tensor: BoolTensor<Self>, dim: usize) -> BoolTensor<Self>;
+        fn bool_any(tensor: BoolTensor<Self>) -> BoolTensor<Self> => via workarounds;
+        fn bool_any_dim(tensor: BoolTensor<Self>, dim: usize) -> BoolTensor<Self> => via workarounds;
+        fn bool_all(tensor: BoolTensor<Self>) -> BoolTensor<Self> => via workarounds;
+        fn bool_all_dim(tensor: BoolTensor<Self>, dim: usize) -> BoolTensor<Self> => via workarounds;
         fn bool_argwhere(tensor: BoolTensor<Self>, out_dtype: IntDType) -> impl Future<Output = IntTensor<Self>> + 'static + Send;
-        fn bool_expand(tensor: BoolTensor<Self>, shape: Shape) -> BoolTensor<Self>;
-        fn bool_unfold(tensor: BoolTensor<Self>, dim: usize, size: usize, step: usize) -> BoolTensor<Self>;
+        fn bool_expand(tensor: BoolTensor<Self>, shape: Shape) -> BoolTensor<Self> => via workarounds;
+        fn bool_unfold(tensor: BoolTensor<Self>, dim: usize, size: usize, step: usize) -> BoolTensor<Self> => via workarounds;
     }
 
     fn bool_into_data(

@@ -52,18 +52,27 @@ mod pooling;
 mod products;
 
 pub(crate) use empty::{
-    adaptive_avg_pool1d, adaptive_avg_pool2d, avg_pool2d, bool_ones, bool_reshape, bool_zeros,
-    conv_transpose1d, conv_transpose2d, conv_transpose3d, conv1d, conv2d, conv3d, embedding,
-    float_argmax, float_argmin, float_cast, float_full, float_into_int, float_matmul,
-    float_max_dim, float_max_dim_with_indices, float_mean, float_mean_dim, float_min_dim,
-    float_min_dim_with_indices, float_ones, float_random, float_reshape, float_scatter_add,
-    float_select_add, float_slice_assign, float_sum, float_sum_dim, float_zeros, int_full,
-    int_gather, int_ones, int_random, int_reshape, int_select, int_sum, int_sum_dim, int_zeros,
-    interpolate, linear, max_pool1d, max_pool1d_with_indices, max_pool2d, max_pool2d_with_indices,
+    adaptive_avg_pool1d, adaptive_avg_pool2d, avg_pool2d, bool_all, bool_all_dim, bool_any,
+    bool_any_dim, bool_expand, bool_ones, bool_permute, bool_repeat_dim, bool_reshape,
+    bool_swap_dims, bool_transpose, bool_unfold, bool_zeros, conv_transpose1d, conv_transpose2d,
+    conv_transpose3d, conv1d, conv2d, conv3d, deform_conv2d, embedding, float_all, float_all_dim,
+    float_any, float_any_dim, float_argmax, float_argmin, float_argsort, float_argtopk, float_cast,
+    float_expand, float_full, float_grid_sample_2d, float_into_int, float_matmul, float_max,
+    float_max_abs, float_max_abs_dim, float_max_dim, float_max_dim_with_indices, float_mean,
+    float_mean_dim, float_min, float_min_dim, float_min_dim_with_indices, float_ones,
+    float_permute, float_prod, float_prod_dim, float_random, float_repeat_dim, float_reshape,
+    float_scatter_add, float_select_add, float_slice_assign, float_sort_with_indices, float_sum,
+    float_sum_dim, float_swap_dims, float_topk, float_transpose, float_unfold, float_zeros,
+    int_all, int_all_dim, int_any, int_any_dim, int_argmax, int_argmin, int_argsort, int_argtopk,
+    int_expand, int_full, int_gather, int_max, int_max_abs, int_max_abs_dim, int_max_dim,
+    int_max_dim_with_indices, int_mean, int_mean_dim, int_min, int_min_dim,
+    int_min_dim_with_indices, int_ones, int_permute, int_prod, int_prod_dim, int_random,
+    int_repeat_dim, int_reshape, int_select, int_sort_with_indices, int_sum, int_sum_dim,
+    int_swap_dims, int_topk, int_transpose, int_unfold, int_zeros, interpolate, linear, max_pool1d,
+    max_pool1d_with_indices, max_pool2d, max_pool2d_with_indices,
 };
-pub(crate) use flex_views::{float_permute, float_swap_dims, float_transpose};
 pub(crate) use pooling::{avg_pool1d, avg_pool2d_backward};
-pub(crate) use products::{float_cumprod, float_prod, float_prod_dim};
+pub(crate) use products::float_cumprod;
 
 use burn_backend::Backend;
 use burn_backend::TensorMetadata;

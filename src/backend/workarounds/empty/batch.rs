@@ -6,8 +6,8 @@ use burn_backend::ops::conv::{
     calculate_conv_output_shape, calculate_conv_transpose_output_shape, calculate_pool_output_shape,
 };
 use burn_backend::ops::{
-    ConvOptions, ConvTransposeOptions, InterpolateOptions, MaxPool1dWithIndices,
-    MaxPool2dWithIndices,
+    ConvOptions, ConvTransposeOptions, DeformConvOptions, GridSampleOptions, InterpolateOptions,
+    MaxPool1dWithIndices, MaxPool2dWithIndices,
 };
 use burn_backend::tensor::{FloatTensor, IntTensor};
 use burn_backend::{Backend, TensorMetadata, get_device_settings};
@@ -59,6 +59,52 @@ convolutions! {
         x, &w, &o.stride, &o.padding, &o.padding_out, &o.dilation, o.groups);
     conv_transpose3d(ConvTransposeOptions<3>) => |x, w, o| calculate_conv_transpose_output_shape(
         x, &w, &o.stride, &o.padding, &o.padding_out, &o.dilation, o.groups);
+}
+
+/// A deformable convolution's result is `[n, c_out, h_out, w_out]`, its offsets'
+/// `[n, _, h_out, w_out]`: empty over an empty batch (or no output position).
+pub(crate) fn deform_conv2d<B: Backend>(
+    x: FloatTensor<B>,
+    offset: FloatTensor<B>,
+    weight: FloatTensor<B>,
+    mask: Option<FloatTensor<B>>,
+    bias: Option<FloatTensor<B>>,
+    options: DeformConvOptions<2>,
+) -> FloatTensor<B> {
+    if is_empty(&x) || is_empty(&offset) {
+        let (o, w) = (offset.shape(), weight.shape());
+        let shape = (o.num_dims() == 4 && w.num_dims() == 4)
+            .then(|| Shape::from(vec![o[0], w[0], o[2], o[3]]))
+            .filter(|s| s.num_elements() == 0);
+        if let Some(shape) = shape {
+            let dtype = float_dtype(x.dtype());
+            let mut inputs = vec![x, offset, weight];
+            inputs.extend(mask);
+            inputs.extend(bias);
+            return constant::<B>(inputs, shape, dtype, Fill::Empty);
+        }
+    }
+    B::deform_conv2d(x, offset, weight, mask, bias, options)
+}
+
+/// `grid_sample_2d(tensor [n, c, h, w], grid [n, h_out, w_out, 2])`: `[n, c, h_out, w_out]`,
+/// empty over an empty batch (RoI features of no box) or grid.
+pub(crate) fn float_grid_sample_2d<B: Backend>(
+    tensor: FloatTensor<B>,
+    grid: FloatTensor<B>,
+    options: GridSampleOptions,
+) -> FloatTensor<B> {
+    if is_empty(&tensor) || is_empty(&grid) {
+        let (t, g) = (tensor.shape(), grid.shape());
+        let shape = (t.num_dims() == 4 && g.num_dims() == 4)
+            .then(|| Shape::from(vec![g[0], t[1], g[1], g[2]]))
+            .filter(|s| s.num_elements() == 0);
+        if let Some(shape) = shape {
+            let dtype = float_dtype(tensor.dtype());
+            return constant::<B>(vec![tensor, grid], shape, dtype, Fill::Empty);
+        }
+    }
+    B::float_grid_sample_2d(tensor, grid, options)
 }
 
 /// `[n, c, ..]` with the trailing dimensions `size`.

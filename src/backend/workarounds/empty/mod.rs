@@ -21,14 +21,16 @@
 //! Covered: creation (float, int, bool); the elementwise ops, activations and comparisons
 //! (their result has the broadcast shape of their float inputs, [`Elementwise`]; checked in
 //! `autocast_ops!`), and those of int and bool tensors, conversions between the kinds included
-//! (marked `=> empty` in `forward!`); casts, `matmul`, `linear`, `sum`, `mean`, `sum_dim`,
-//! `mean_dim`, max and min along a dimension, `select`, `gather`, `embedding` (float; `select`,
-//! `gather`, `sum`, `sum_dim` of ints); `select_add`, `scatter_add` and `slice_assign` of an
-//! empty value (the tensor itself, with the value kept in the graph); convolutions, pooling
-//! and `interpolate` over an empty batch (`batch`). Not covered: the other int and bool ops
-//! (sorts, reductions but the sum, `cat` and views need none), `deform_conv2d`, and
-//! burn-autodiff's own backward ops (they run on `B` directly): a gradient of an empty tensor
-//! that autodiff has to add to another still launches on CUDA.
+//! (marked `=> empty` in `forward!`); casts, `matmul`, `linear`, `select`, `gather`,
+//! `embedding` (float; `select` and `gather` of ints); `select_add`, `scatter_add` and
+//! `slice_assign` of an empty value (the tensor itself, with the value kept in the graph);
+//! reductions, sorts and top-k of floats, ints and bools ([`reduce`]: PyTorch's value over
+//! nothing, or a panic where there is none); views with an empty result ([`views`]: reshape,
+//! transpose, permute, expand, repeat, unfold); convolutions, pooling and `interpolate` over
+//! an empty batch, deformable ones and `grid_sample` too ([`batch`]). Not covered: `gather_nd`
+//! and `scatter_nd`, int `matmul`, and burn-autodiff's own backward ops (they run on `B`
+//! directly): a gradient of an empty tensor that autodiff has to add to another still
+//! launches on CUDA.
 
 use burn::backend::autodiff::checkpoint::base::Checkpointer;
 use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
@@ -45,9 +47,13 @@ use crate::backend::policy::Op;
 
 mod batch;
 mod ops;
+mod reduce;
+mod views;
 
 pub(crate) use batch::*;
 pub(crate) use ops::*;
+pub(crate) use reduce::*;
+pub(crate) use views::*;
 
 /// What a result made without a kernel holds.
 #[derive(Debug, Clone, Copy)]
@@ -129,6 +135,8 @@ fn made<B: Backend>(inputs: Vec<FloatTensor<B>>, result: Made) -> FloatTensor<B>
                 1 => node::<X, C, 1>(inputs, out, first),
                 2 => node::<X, C, 2>(inputs, out, first),
                 3 => node::<X, C, 3>(inputs, out, first),
+                4 => node::<X, C, 4>(inputs, out, first),
+                5 => node::<X, C, 5>(inputs, out, first),
                 n => unreachable!("an op of {n} float inputs"),
             })
         }
@@ -423,7 +431,8 @@ impl<B: Backend> EmptyInputs<B> {
 mod tests {
     use super::*;
 
-    fn s(dims: &[usize]) -> Shape {
+    /// A shape from its dimensions (for the tests of `empty`'s modules).
+    pub(super) fn s(dims: &[usize]) -> Shape {
         Shape::from(dims.to_vec())
     }
 

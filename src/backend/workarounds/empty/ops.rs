@@ -1,5 +1,5 @@
 //! The ops with a result of their own shape rule on empty tensors (see the module docs
-//! above): creation, casts, matmul, linear, reductions, picks, writes of nothing.
+//! above): creation, casts, matmul, linear, picks, writes of nothing.
 
 use burn_backend::tensor::{BoolTensor, Device, FloatTensor, IntTensor};
 use burn_backend::{Backend, Distribution, Scalar, TensorMetadata};
@@ -104,61 +104,6 @@ pub(crate) fn linear<B: Backend>(
     B::linear(x, weight, bias)
 }
 
-/// The sum of nothing: 0.
-pub(crate) fn float_sum<B: Backend>(tensor: FloatTensor<B>) -> FloatTensor<B> {
-    reduced_all::<B>(tensor, 0.0).unwrap_or_else(B::float_sum)
-}
-
-/// The mean of nothing: NaN (PyTorch's too).
-pub(crate) fn float_mean<B: Backend>(tensor: FloatTensor<B>) -> FloatTensor<B> {
-    reduced_all::<B>(tensor, f64::NAN).unwrap_or_else(B::float_mean)
-}
-
-fn reduced_all<B: Backend>(
-    tensor: FloatTensor<B>,
-    value: f64,
-) -> Result<FloatTensor<B>, FloatTensor<B>> {
-    if !is_empty(&tensor) {
-        return Err(tensor);
-    }
-    let dtype = float_dtype(tensor.dtype());
-    Ok(constant::<B>(
-        vec![tensor],
-        Shape::from(vec![1]),
-        dtype,
-        Fill::Value(value),
-    ))
-}
-
-pub(crate) fn float_sum_dim<B: Backend>(tensor: FloatTensor<B>, dim: usize) -> FloatTensor<B> {
-    reduced_dim::<B>(tensor, dim, 0.0)
-        .unwrap_or_else(|t| super::super::flex_views::float_sum_dim::<B>(t, dim))
-}
-
-pub(crate) fn float_mean_dim<B: Backend>(tensor: FloatTensor<B>, dim: usize) -> FloatTensor<B> {
-    reduced_dim::<B>(tensor, dim, f64::NAN)
-        .unwrap_or_else(|t| super::super::flex_views::float_mean_dim::<B>(t, dim))
-}
-
-fn reduced_dim<B: Backend>(
-    tensor: FloatTensor<B>,
-    dim: usize,
-    value: f64,
-) -> Result<FloatTensor<B>, FloatTensor<B>> {
-    if !is_empty(&tensor) {
-        return Err(tensor);
-    }
-    let mut shape = tensor.shape();
-    shape[dim] = 1;
-    let dtype = float_dtype(tensor.dtype());
-    Ok(constant::<B>(
-        vec![tensor],
-        shape,
-        dtype,
-        Fill::Value(value),
-    ))
-}
-
 /// A pick of no index, or from an empty tensor: empty, the picked shape.
 pub(crate) fn picked<B: Backend>(
     tensor: FloatTensor<B>,
@@ -192,31 +137,6 @@ pub(crate) fn embedding<B: Backend>(
     }
 }
 
-/// A reshape of an empty tensor: a new empty tensor, not a view. Burn's fusion fuses a view of
-/// an empty tensor into the next elementwise block, whose kernel then takes the view's empty
-/// shape for its grid (through the stand-in driver: a zero grid, refused).
-pub(crate) fn float_reshape<B: Backend>(tensor: FloatTensor<B>, shape: Shape) -> FloatTensor<B> {
-    if is_empty(&tensor) && shape.num_elements() == 0 {
-        let dtype = float_dtype(tensor.dtype());
-        return constant::<B>(vec![tensor], shape, dtype, Fill::Empty);
-    }
-    B::float_reshape(tensor, shape)
-}
-
-pub(crate) fn int_reshape<B: Backend>(tensor: IntTensor<B>, shape: Shape) -> IntTensor<B> {
-    if is_empty(&tensor) && shape.num_elements() == 0 {
-        return B::int_empty(shape, &B::int_device(&tensor), tensor.dtype().into());
-    }
-    B::int_reshape(tensor, shape)
-}
-
-pub(crate) fn bool_reshape<B: Backend>(tensor: BoolTensor<B>, shape: Shape) -> BoolTensor<B> {
-    if is_empty(&tensor) && shape.num_elements() == 0 {
-        return B::bool_empty(shape, &B::bool_device(&tensor), tensor.dtype().into());
-    }
-    B::bool_reshape(tensor, shape)
-}
-
 /// An int pick of no index, or from an empty tensor: empty.
 fn int_picked<B: Backend>(tensor: &IntTensor<B>, shape: Shape) -> Option<IntTensor<B>> {
     (shape.num_elements() == 0)
@@ -247,25 +167,6 @@ pub(crate) fn int_gather<B: Backend>(
         Some(out) => out,
         None => B::int_gather(dim, tensor, indices),
     }
-}
-
-/// The int sum of nothing: 0.
-pub(crate) fn int_sum<B: Backend>(tensor: IntTensor<B>) -> IntTensor<B> {
-    if tensor.shape().num_elements() == 0 {
-        let device = B::int_device(&tensor);
-        return B::int_zeros(Shape::from(vec![1]), &device, tensor.dtype().into());
-    }
-    B::int_sum(tensor)
-}
-
-pub(crate) fn int_sum_dim<B: Backend>(tensor: IntTensor<B>, dim: usize) -> IntTensor<B> {
-    let mut shape = tensor.shape();
-    if shape.num_elements() == 0 {
-        shape[dim] = 1;
-        let device = B::int_device(&tensor);
-        return int_zeros::<B>(shape, &device, tensor.dtype().into());
-    }
-    B::int_sum_dim(tensor, dim)
 }
 
 /// An empty float tensor as ints: empty.
@@ -303,81 +204,6 @@ writes_of_nothing! {
     float_slice_assign([] tensor [slices: &[Slice]]);
 }
 
-/// The shape of a max or min along `dim` of an empty tensor (empty too), `None` for a tensor
-/// that is not empty. Along an empty dimension there is no value: a panic that says so, as
-/// PyTorch raises, rather than the backend's (on CUDA, a refused launch).
-fn extreme_shape<B: Backend>(tensor: &FloatTensor<B>, dim: usize, op: &str) -> Option<Shape> {
-    if !is_empty(tensor) {
-        return None;
-    }
-    let mut shape = tensor.shape();
-    assert!(
-        shape[dim] > 0,
-        "{op} along dimension {dim} of an empty tensor of shape {shape:?}: it has no value \
-         (PyTorch raises the same); skip or mask empty inputs before it"
-    );
-    shape[dim] = 1;
-    Some(shape)
-}
-
-pub(crate) fn float_max_dim<B: Backend>(tensor: FloatTensor<B>, dim: usize) -> FloatTensor<B> {
-    match extreme_shape::<B>(&tensor, dim, "max") {
-        Some(shape) => empty_like::<B>(tensor, shape),
-        None => B::float_max_dim(tensor, dim),
-    }
-}
-
-pub(crate) fn float_min_dim<B: Backend>(tensor: FloatTensor<B>, dim: usize) -> FloatTensor<B> {
-    match extreme_shape::<B>(&tensor, dim, "min") {
-        Some(shape) => empty_like::<B>(tensor, shape),
-        None => B::float_min_dim(tensor, dim),
-    }
-}
-
-pub(crate) fn float_max_dim_with_indices<B: Backend>(
-    tensor: FloatTensor<B>,
-    dim: usize,
-    indices_dtype: IntDType,
-) -> (FloatTensor<B>, IntTensor<B>) {
-    match extreme_shape::<B>(&tensor, dim, "max") {
-        Some(shape) => with_indices::<B>(tensor, shape, indices_dtype),
-        None => B::float_max_dim_with_indices(tensor, dim, indices_dtype),
-    }
-}
-
-pub(crate) fn float_min_dim_with_indices<B: Backend>(
-    tensor: FloatTensor<B>,
-    dim: usize,
-    indices_dtype: IntDType,
-) -> (FloatTensor<B>, IntTensor<B>) {
-    match extreme_shape::<B>(&tensor, dim, "min") {
-        Some(shape) => with_indices::<B>(tensor, shape, indices_dtype),
-        None => B::float_min_dim_with_indices(tensor, dim, indices_dtype),
-    }
-}
-
-pub(crate) fn float_argmax<B: Backend>(
-    tensor: FloatTensor<B>,
-    dim: usize,
-    out_dtype: IntDType,
-) -> IntTensor<B> {
-    match extreme_shape::<B>(&tensor, dim, "argmax") {
-        Some(shape) => B::int_empty(shape, &B::float_device(&tensor), out_dtype),
-        None => B::float_argmax(tensor, dim, out_dtype),
-    }
-}
-
-pub(crate) fn float_argmin<B: Backend>(
-    tensor: FloatTensor<B>,
-    dim: usize,
-    out_dtype: IntDType,
-) -> IntTensor<B> {
-    match extreme_shape::<B>(&tensor, dim, "argmin") {
-        Some(shape) => B::int_empty(shape, &B::float_device(&tensor), out_dtype),
-        None => B::float_argmin(tensor, dim, out_dtype),
-    }
-}
-
 /// An empty result of `shape` over `tensor`, in its dtype.
 pub(super) fn empty_like<B: Backend>(tensor: FloatTensor<B>, shape: Shape) -> FloatTensor<B> {
     let dtype = float_dtype(tensor.dtype());
@@ -396,11 +222,8 @@ pub(super) fn with_indices<B: Backend>(
 
 #[cfg(test)]
 mod tests {
+    use super::super::tests::s;
     use super::*;
-
-    fn s(dims: &[usize]) -> Shape {
-        Shape::from(dims.to_vec())
-    }
 
     #[test]
     fn matmul_shapes() {
