@@ -44,6 +44,8 @@ mod cast_cache;
 mod deform_conv;
 #[path = "../../tests/autocast_numerics/empty.rs"]
 mod empty;
+#[path = "../../tests/autocast_numerics/empty_reductions.rs"]
+mod empty_reductions;
 #[path = "../../tests/autocast_numerics/interpolate.rs"]
 mod interpolate;
 #[path = "../../tests/autocast_numerics/pooling.rs"]
@@ -220,7 +222,7 @@ pub fn run<T: Target>(
                     empty::an_expert_added_back_with_no_token_gets_zeros::<F<T>>(device, precision);
                     empty::an_empty_batch_through_convolutions::<F<T>>(device, precision);
                     empty::empty_ints_and_bools::<F<T>>(device, precision);
-                    empty::empty_reductions_sorts_and_views::<F<T>>(device, precision);
+                    empty_reductions::empty_reductions_sorts_and_views::<F<T>>(device, precision);
                 }
                 ok(
                     "loss and gradients bitwise those without the empty expert, its parameters' \

@@ -41,6 +41,7 @@ mod attention;
 mod cast_cache;
 mod deform_conv;
 mod empty;
+mod empty_reductions;
 mod interpolate;
 mod pooling;
 mod probabilities;
