@@ -13,6 +13,7 @@ use burn_backend::{Backend, TensorMetadata};
 use burn_std::Shape;
 
 use super::super::flex_views;
+use super::is_empty;
 use super::ops::empty_like;
 
 /// A tensor kind of `B`: how an empty result is made over a tensor of it.
@@ -50,11 +51,8 @@ impl<B: Backend> Kind<B> for Bool {
 
 // The shape rules of the views, as Burn's.
 
-fn reshaped(_: Shape, shape: Shape) -> Shape {
-    shape
-}
-
-fn expanded(_: Shape, shape: Shape) -> Shape {
+/// Reshape and expand: the shape given.
+fn given(_: Shape, shape: Shape) -> Shape {
     shape
 }
 
@@ -84,15 +82,24 @@ fn unfolded(shape: Shape, dim: usize, size: usize, step: usize) -> Shape {
     calculate_unfold_shape(shape, dim, size, step)
 }
 
-/// Each view of a kind: its result by `rule` from the input's shape and the view's arguments;
-/// when empty, made here, else `B`'s view (`inner`).
+/// The gate of a view that changes the number of elements: its result can be empty whatever
+/// its input. One that keeps it is gated by `is_empty` (its input's): the common case costs a
+/// shape read, not a shape computed.
+fn any_input<T>(_: &T) -> bool {
+    true
+}
+
+/// Each view of a kind: when `gate` lets it, its result by `rule` from the input's shape and
+/// the view's arguments; when empty, made here, else `B`'s view (`inner`).
 macro_rules! views {
-    ($($kind:ident($tensor:ident) $name:ident($($arg:ident: $ty:ty),*) by $rule:ident, else $inner:expr;)*) => {$(
+    ($($kind:ident($tensor:ident) $name:ident($($arg:ident: $ty:ty),*) if $gate:ident by $rule:ident, else $inner:expr;)*) => {$(
         #[allow(clippy::clone_on_copy)]
         pub(crate) fn $name<B: Backend>(tensor: $tensor<B>, $($arg: $ty),*) -> $tensor<B> {
-            let out = $rule(tensor.shape() $(, $arg.clone())*);
-            if out.num_elements() == 0 {
-                return <$kind as Kind<B>>::empty_over(tensor, out);
+            if $gate(&tensor) {
+                let out = $rule(tensor.shape() $(, $arg.clone())*);
+                if out.num_elements() == 0 {
+                    return <$kind as Kind<B>>::empty_over(tensor, out);
+                }
             }
             $inner(tensor $(, $arg)*)
         }
@@ -100,27 +107,27 @@ macro_rules! views {
 }
 
 views! {
-    Float(FloatTensor) float_reshape(shape: Shape) by reshaped, else B::float_reshape;
-    Float(FloatTensor) float_transpose() by transposed, else flex_views::float_transpose::<B>;
-    Float(FloatTensor) float_swap_dims(dim1: usize, dim2: usize) by swapped, else flex_views::float_swap_dims::<B>;
-    Float(FloatTensor) float_permute(axes: &[usize]) by permuted, else flex_views::float_permute::<B>;
-    Float(FloatTensor) float_expand(shape: Shape) by expanded, else B::float_expand;
-    Float(FloatTensor) float_repeat_dim(dim: usize, times: usize) by repeated, else B::float_repeat_dim;
-    Float(FloatTensor) float_unfold(dim: usize, size: usize, step: usize) by unfolded, else B::float_unfold;
-    Int(IntTensor) int_reshape(shape: Shape) by reshaped, else B::int_reshape;
-    Int(IntTensor) int_transpose() by transposed, else B::int_transpose;
-    Int(IntTensor) int_swap_dims(dim1: usize, dim2: usize) by swapped, else B::int_swap_dims;
-    Int(IntTensor) int_permute(axes: &[usize]) by permuted, else B::int_permute;
-    Int(IntTensor) int_expand(shape: Shape) by expanded, else B::int_expand;
-    Int(IntTensor) int_repeat_dim(dim: usize, times: usize) by repeated, else B::int_repeat_dim;
-    Int(IntTensor) int_unfold(dim: usize, size: usize, step: usize) by unfolded, else B::int_unfold;
-    Bool(BoolTensor) bool_reshape(shape: Shape) by reshaped, else B::bool_reshape;
-    Bool(BoolTensor) bool_transpose() by transposed, else B::bool_transpose;
-    Bool(BoolTensor) bool_swap_dims(dim1: usize, dim2: usize) by swapped, else B::bool_swap_dims;
-    Bool(BoolTensor) bool_permute(axes: &[usize]) by permuted, else B::bool_permute;
-    Bool(BoolTensor) bool_expand(shape: Shape) by expanded, else B::bool_expand;
-    Bool(BoolTensor) bool_repeat_dim(dim: usize, times: usize) by repeated, else B::bool_repeat_dim;
-    Bool(BoolTensor) bool_unfold(dim: usize, size: usize, step: usize) by unfolded, else B::bool_unfold;
+    Float(FloatTensor) float_reshape(shape: Shape) if is_empty by given, else B::float_reshape;
+    Float(FloatTensor) float_transpose() if is_empty by transposed, else flex_views::float_transpose::<B>;
+    Float(FloatTensor) float_swap_dims(dim1: usize, dim2: usize) if is_empty by swapped, else flex_views::float_swap_dims::<B>;
+    Float(FloatTensor) float_permute(axes: &[usize]) if is_empty by permuted, else flex_views::float_permute::<B>;
+    Float(FloatTensor) float_expand(shape: Shape) if any_input by given, else B::float_expand;
+    Float(FloatTensor) float_repeat_dim(dim: usize, times: usize) if any_input by repeated, else B::float_repeat_dim;
+    Float(FloatTensor) float_unfold(dim: usize, size: usize, step: usize) if any_input by unfolded, else B::float_unfold;
+    Int(IntTensor) int_reshape(shape: Shape) if is_empty by given, else B::int_reshape;
+    Int(IntTensor) int_transpose() if is_empty by transposed, else B::int_transpose;
+    Int(IntTensor) int_swap_dims(dim1: usize, dim2: usize) if is_empty by swapped, else B::int_swap_dims;
+    Int(IntTensor) int_permute(axes: &[usize]) if is_empty by permuted, else B::int_permute;
+    Int(IntTensor) int_expand(shape: Shape) if any_input by given, else B::int_expand;
+    Int(IntTensor) int_repeat_dim(dim: usize, times: usize) if any_input by repeated, else B::int_repeat_dim;
+    Int(IntTensor) int_unfold(dim: usize, size: usize, step: usize) if any_input by unfolded, else B::int_unfold;
+    Bool(BoolTensor) bool_reshape(shape: Shape) if is_empty by given, else B::bool_reshape;
+    Bool(BoolTensor) bool_transpose() if is_empty by transposed, else B::bool_transpose;
+    Bool(BoolTensor) bool_swap_dims(dim1: usize, dim2: usize) if is_empty by swapped, else B::bool_swap_dims;
+    Bool(BoolTensor) bool_permute(axes: &[usize]) if is_empty by permuted, else B::bool_permute;
+    Bool(BoolTensor) bool_expand(shape: Shape) if any_input by given, else B::bool_expand;
+    Bool(BoolTensor) bool_repeat_dim(dim: usize, times: usize) if any_input by repeated, else B::bool_repeat_dim;
+    Bool(BoolTensor) bool_unfold(dim: usize, size: usize, step: usize) if any_input by unfolded, else B::bool_unfold;
 }
 
 #[cfg(test)]
