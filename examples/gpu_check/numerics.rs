@@ -7,8 +7,9 @@
 //!   f16 and bf16;
 //! - the Burn 0.21 defects `Amp` works around: products with signs and zeros against an f64
 //!   reference, interpolation's backward against Flex's, picks broadcast by fused ops, average
-//!   pools' gradients (and whether plain Burn gets those wrong on this backend too), ops on
-//!   empty tensors (on CUDA, plain Burn's refused launches);
+//!   pools' gradients (and whether plain Burn gets those wrong on this backend too), the
+//!   backward of `rfft`, `irfft` and `topk`, ops on empty tensors (on CUDA, plain Burn's
+//!   refused launches);
 //! - random graphs, drawn while the time lasts: fused against unfused (f32, f16, bf16), Flex
 //!   against the unfused kernels (f32), and every saving of autocast on and off.
 //!
@@ -60,6 +61,8 @@ mod random_pools;
 mod recompute;
 #[path = "../../tests/autocast_numerics/shared_casts.rs"]
 mod shared_casts;
+#[path = "../../tests/autocast_numerics/spectral.rs"]
+mod spectral;
 #[path = "../../tests/autocast_numerics/upcast.rs"]
 mod upcast;
 #[path = "../../tests/autocast_numerics/workarounds.rs"]
@@ -209,6 +212,18 @@ pub fn run<T: Target>(
                      alone), outputs and gradients within 1e-5 of Flex, Amp above and below \
                      autodiff"
                 ))
+            }),
+        ),
+        (
+            "backward of rfft, irfft and topk (none in burn-autodiff), argtopk, against an f64 DFT",
+            Box::new(|| {
+                for &precision in lows {
+                    spectral::spectral_ops_and_topk_backpropagate::<F<T>>(device, precision);
+                }
+                ok(
+                    "spectra, signals and gradients within 1e-5 of the f64 DFT (n truncating, \
+                    padding, length 1), top-k values and gradients exact",
+                )
             }),
         ),
         (

@@ -50,6 +50,7 @@ mod random_graphs;
 mod random_pools;
 mod recompute;
 mod shared_casts;
+mod spectral;
 mod support;
 mod upcast;
 mod workarounds;

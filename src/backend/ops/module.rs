@@ -66,8 +66,8 @@ impl<B: Backend> ModuleOps<Self> for Amp<B> {
         fn ctc_loss(log_probs: FloatTensor<Self>, targets: IntTensor<Self>, input_lengths: IntTensor<Self>, target_lengths: IntTensor<Self>, blank: usize) -> FloatTensor<Self> => [t log_probs];
         fn has_ctc_loss_backward() -> bool => [];
         fn ctc_loss_backward(log_probs: FloatTensor<Self>, targets: IntTensor<Self>, input_lengths: IntTensor<Self>, target_lengths: IntTensor<Self>, grad_loss: FloatTensor<Self>, blank: usize) -> FloatTensor<Self> => [t log_probs, t grad_loss];
-        fn rfft(signal: FloatTensor<Self>, dim: usize, n: Option<usize>) -> (FloatTensor<Self>, FloatTensor<Self>) => [t signal];
-        fn irfft(spectrum_re: FloatTensor<Self>, spectrum_im: FloatTensor<Self>, dim: usize, n: Option<usize>) -> FloatTensor<Self> => [t spectrum_re, t spectrum_im];
+        fn rfft(signal: FloatTensor<Self>, dim: usize, n: Option<usize>) -> (FloatTensor<Self>, FloatTensor<Self>) => [t signal] via workarounds;
+        fn irfft(spectrum_re: FloatTensor<Self>, spectrum_im: FloatTensor<Self>, dim: usize, n: Option<usize>) -> FloatTensor<Self> => [t spectrum_re, t spectrum_im] via workarounds;
     }
 
     /// The two matmuls in the low dtype, the softmax between them in f32 (`AUTOCAST_POLICY.md`

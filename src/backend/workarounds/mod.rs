@@ -32,6 +32,12 @@
 //!
 //! **CubeCL has no backward for bilinear, bicubic or lanczos3 `interpolate`** (a panic):
 //! `Amp` builds the node on wgpu and CUDA, with a separable backward ([`interpolate`]).
+//! **burn-autodiff has no `topk` of floats** (a panic): under autodiff `Amp` gathers at the
+//! top-k indices ([`float_topk_values`]). **Flex has no `argtopk`** (a panic, floats and
+//! ints): `Amp` takes the first `k` of a descending argsort there ([`float_argtopk_indices`]).
+//! **burn-autodiff has no backward for `rfft` and `irfft`** (a `todo!` panic): `Amp` builds
+//! their nodes, each backward the other transform weighted per bin ([`fft`]). **CubeCL
+//! refuses a length-1 transform** (a panic): `Amp` computes that identity itself.
 //!
 //! **CubeCL's `avg_pool2d` backward reads 4 channels at a time** where the output gradient's
 //! channels are adjacent (a 1×1 output, a gradient arriving channels-last), over channels
@@ -46,6 +52,7 @@
 //! view before its sums, and the gradient that a transposition hands back.
 
 pub(crate) mod empty;
+mod fft;
 mod flex_views;
 mod interpolate;
 mod pooling;
@@ -71,13 +78,17 @@ pub(crate) use empty::{
     int_swap_dims, int_topk, int_transpose, int_unfold, int_zeros, interpolate, linear, max_pool1d,
     max_pool1d_with_indices, max_pool2d, max_pool2d_with_indices,
 };
+pub(crate) use fft::{irfft, rfft};
 pub(crate) use pooling::{avg_pool1d, avg_pool2d_backward};
 pub(crate) use products::float_cumprod;
 
-use burn_backend::Backend;
+use core::any::TypeId;
+
+use burn::backend::flex::FlexTensor;
 use burn_backend::TensorMetadata;
 use burn_backend::tensor::{FloatTensor, IntTensor};
-use burn_std::Shape;
+use burn_backend::{Backend, get_device_settings};
+use burn_std::{IntDType, Shape, Slice};
 
 /// `B`'s cat, its inputs held until it returns (see the module docs).
 pub(crate) fn float_cat<B: Backend>(tensors: Vec<FloatTensor<B>>, dim: usize) -> FloatTensor<B> {
@@ -97,6 +108,69 @@ pub(crate) fn float_gather<B: Backend>(
         Ok(out) => out,
         Err(tensor) => materialized::<B>(B::float_gather(dim, tensor, indices), dim),
     }
+}
+
+/// `B`'s top `k` values along `dim`; under autodiff, which has none (burn-autodiff 0.21:
+/// `unimplemented!("topk is not implemented for autodiff")`, so a router or a beam that takes
+/// top-k values cannot train), a gather at `B`'s top-k indices: the same values, in the same
+/// order, and gather's backward (the gradient goes to the picked elements).
+pub(crate) fn float_topk_values<B: Backend>(
+    tensor: FloatTensor<B>,
+    dim: usize,
+    k: usize,
+) -> FloatTensor<B> {
+    let device = B::float_device(&tensor);
+    if !B::ad_enabled(&device) {
+        return B::float_topk(tensor, dim, k);
+    }
+    let indices = float_argtopk_indices::<B>(
+        tensor.clone(),
+        dim,
+        k,
+        get_device_settings::<B>(&device).int_dtype,
+    );
+    float_gather::<B>(dim, tensor, indices)
+}
+
+/// `B`'s indices of the top `k` floats along `dim`. Flex 0.21 has no argtopk
+/// (`unimplemented!`, floats and ints alike): there, the first `k` of a descending argsort.
+pub(crate) fn float_argtopk_indices<B: Backend>(
+    tensor: FloatTensor<B>,
+    dim: usize,
+    k: usize,
+    out_dtype: IntDType,
+) -> IntTensor<B> {
+    if on_flex::<B>() {
+        first_k::<B>(B::float_argsort(tensor, dim, true, out_dtype), dim, k)
+    } else {
+        B::float_argtopk(tensor, dim, k, out_dtype)
+    }
+}
+
+/// `B`'s indices of the top `k` ints along `dim` (on Flex as for floats).
+pub(crate) fn int_argtopk_indices<B: Backend>(
+    tensor: IntTensor<B>,
+    dim: usize,
+    k: usize,
+) -> IntTensor<B> {
+    if on_flex::<B>() {
+        first_k::<B>(B::int_argsort(tensor, dim, true), dim, k)
+    } else {
+        B::int_argtopk(tensor, dim, k)
+    }
+}
+
+/// Whether `B` is Flex, or autodiff over it (both keep ints as Flex tensors).
+fn on_flex<B: Backend>() -> bool {
+    TypeId::of::<IntTensor<B>>() == TypeId::of::<FlexTensor>()
+}
+
+fn first_k<B: Backend>(indices: IntTensor<B>, dim: usize, k: usize) -> IntTensor<B> {
+    let shape = indices.shape();
+    let slices: Vec<Slice> = (0..shape.num_dims())
+        .map(|d| Slice::from(0..if d == dim { k } else { shape[d] }))
+        .collect();
+    B::int_slice(indices, &slices)
 }
 
 /// `B`'s select, materialized when it picks one element along the last dimension.

@@ -343,7 +343,7 @@ pub(crate) fn float_topk<B: Backend>(
 ) -> FloatTensor<B> {
     match top_k(&tensor.shape(), dim, k) {
         Some(out) => empty_like::<B>(tensor, out),
-        None => B::float_topk(tensor, dim, k),
+        None => super::super::float_topk_values::<B>(tensor, dim, k),
     }
 }
 
@@ -355,7 +355,7 @@ pub(crate) fn float_argtopk<B: Backend>(
 ) -> IntTensor<B> {
     match top_k(&tensor.shape(), dim, k) {
         Some(out) => B::int_empty(out, &B::float_device(&tensor), out_dtype),
-        None => B::float_argtopk(tensor, dim, k, out_dtype),
+        None => super::super::float_argtopk_indices::<B>(tensor, dim, k, out_dtype),
     }
 }
 
@@ -369,7 +369,7 @@ pub(crate) fn int_topk<B: Backend>(tensor: IntTensor<B>, dim: usize, k: usize) -
 pub(crate) fn int_argtopk<B: Backend>(tensor: IntTensor<B>, dim: usize, k: usize) -> IntTensor<B> {
     match top_k(&tensor.shape(), dim, k) {
         Some(out) => empty_pair::<B>(&tensor, out).1,
-        None => B::int_argtopk(tensor, dim, k),
+        None => super::super::int_argtopk_indices::<B>(tensor, dim, k),
     }
 }
 
