@@ -1,5 +1,6 @@
 //! Ops that burn-autodiff 0.21 cannot differentiate (a panic), which `Amp` builds nodes for:
-//! `rfft` and `irfft` (`src/backend/workarounds/fft.rs`) and float `topk`
+//! `rfft` and `irfft` (`src/backend/workarounds/fft.rs`; `cfft`, which Burn builds on
+//! `rfft`, with them) and float `topk`
 //! (`float_topk_values` in `src/backend/workarounds/mod.rs`). Values and gradients against
 //! a direct DFT in f64 (and a host sort for top-k), with truncation and padding by `n` along
 //! either dimension; canaries that plain autodiff still panics.
@@ -7,7 +8,7 @@
 use burn::backend::{Autodiff, Flex};
 use burn::tensor::TensorData;
 use burn::tensor::backend::AutodiffBackend;
-use burn::tensor::signal::{irfft, rfft};
+use burn::tensor::signal::{cfft, irfft, rfft};
 use burn_amp::{Amp, autocast};
 
 use super::*;
@@ -255,6 +256,70 @@ fn irfft_backpropagates<B: AutodiffBackend>(device: &B::Device, precision: Preci
     }
 }
 
+/// `cfft` (Burn builds it on `rfft`, with slices, flips and a `cat`) of a complex `[3, len]`
+/// along `dim` with `n`, the loss `Σ re ⊙ a + im ⊙ b`: the full spectrum and the gradients of
+/// both parts of the signal against the DFT.
+fn cfft_backpropagates<B: AutodiffBackend>(device: &B::Device, precision: Precision) {
+    let _autocast = autocast(precision);
+    for (len, n, dim) in [
+        (8, None, 1),
+        (8, None, 0),
+        (16, Some(8), 1),
+        (2, None, 0),
+        (4, Some(1), 1),
+    ] {
+        let size = n.unwrap_or(len);
+        let what = format!("cfft of {len} along {dim}, n {n:?}, {precision:?}");
+        let (rs, is) = (data(ROWS * len, 10), data(ROWS * len, 11));
+        let xr = laid_out::<B>(&rs, ROWS, len, dim, device).require_grad();
+        let xi = laid_out::<B>(&is, ROWS, len, dim, device).require_grad();
+        let (zr, zi) = cfft(xr.clone(), xi.clone(), dim, n);
+        let (a, b) = (data(ROWS * size, 12), data(ROWS * size, 13));
+        let loss = (zr.clone() * laid_out::<B>(&a, ROWS, size, dim, device)
+            + zi.clone() * laid_out::<B>(&b, ROWS, size, dim, device))
+        .sum();
+        let grads = loss.backward();
+
+        let (mut want_zr, mut want_zi) = (vec![], vec![]);
+        for (r, i) in rs.chunks(len).zip(is.chunks(len)) {
+            for k in 0..size {
+                let (mut re, mut im) = (0f64, 0f64);
+                for j in 0..len.min(size) {
+                    let (c, s) = (angle(k, j, size).cos(), angle(k, j, size).sin());
+                    re += r[j] as f64 * c + i[j] as f64 * s;
+                    im += i[j] as f64 * c - r[j] as f64 * s;
+                }
+                want_zr.push(re);
+                want_zi.push(im);
+            }
+        }
+        let (mut want_gr, mut want_gi) = (vec![], vec![]);
+        for (ra, rb) in a.chunks(size).zip(b.chunks(size)) {
+            for j in 0..len {
+                let (mut gr, mut gi) = (0f64, 0f64);
+                // Samples past `n` were truncated away: no gradient.
+                let bins = if j < size { 0..size } else { 0..0 };
+                for k in bins {
+                    let (c, s) = (angle(k, j, size).cos(), angle(k, j, size).sin());
+                    gr += ra[k] as f64 * c - rb[k] as f64 * s;
+                    gi += ra[k] as f64 * s + rb[k] as f64 * c;
+                }
+                want_gr.push(gr);
+                want_gi.push(gi);
+            }
+        }
+        let grad = |x: &Tensor<B, 2>| rows_of(x.grad(&grads).expect("a gradient"), dim);
+        for (got, want, part) in [
+            (rows_of(zr.inner(), dim), want_zr, "spectrum, re"),
+            (rows_of(zi.inner(), dim), want_zi, "spectrum, im"),
+            (grad(&xr), want_gr, "real part's gradient"),
+            (grad(&xi), want_gi, "imaginary part's gradient"),
+        ] {
+            assert_close(&got, &want, 1e-5, &format!("{what}: {part}"));
+        }
+    }
+}
+
 /// `topk` of `[4, 7]` along either dimension, the loss `Σ v ⊙ w`: the values against a host
 /// sort, the gradient `w` at the picked elements and zero elsewhere.
 fn topk_backpropagates<B: AutodiffBackend>(device: &B::Device, precision: Precision) {
@@ -312,12 +377,10 @@ fn argtopk_picks_the_largest<B: Backend>(device: &B::Device, precision: Precisio
     }
 }
 
-pub fn spectral_ops_and_topk_backpropagate<B: Backend>(
-    device: &B::Device,
-    precision: Precision,
-) {
+pub fn spectral_ops_and_topk_backpropagate<B: Backend>(device: &B::Device, precision: Precision) {
     rfft_backpropagates::<Amp<Autodiff<B>>>(device, precision);
     irfft_backpropagates::<Amp<Autodiff<B>>>(device, precision);
+    cfft_backpropagates::<Amp<Autodiff<B>>>(device, precision);
     topk_backpropagates::<Amp<Autodiff<B>>>(device, precision);
     argtopk_picks_the_largest::<Amp<B>>(device, precision);
 }
