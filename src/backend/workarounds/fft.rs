@@ -132,15 +132,14 @@ fn irfft_node<X: Backend, C: CheckpointStrategy>(
     n: Option<usize>,
 ) -> AutodiffTensor<X> {
     let bins = re.primitive.shape()[dim];
+    let out = X::irfft(re.primitive, im.primitive, dim, n);
     match IrfftBackward
-        .prepare::<C>([re.node.clone(), im.node.clone()])
+        .prepare::<C>([re.node, im.node])
         .compute_bound()
         .stateful()
     {
-        OpsKind::Tracked(prep) => {
-            prep.finish((dim, bins), X::irfft(re.primitive, im.primitive, dim, n))
-        }
-        OpsKind::UnTracked(prep) => prep.finish(X::irfft(re.primitive, im.primitive, dim, n)),
+        OpsKind::Tracked(prep) => prep.finish((dim, bins), out),
+        OpsKind::UnTracked(prep) => prep.finish(out),
     }
 }
 
