@@ -19,7 +19,7 @@
 use burn::backend::Autodiff;
 use burn::prelude::*;
 use burn::tensor::backend::AutodiffBackend;
-use burn::tensor::{Bool, Int};
+use burn::tensor::{Bool, IndexingUpdateOp, Int};
 use burn_amp::{Amp, Precision, autocast};
 
 const CASES: &[&str] = &[
@@ -65,6 +65,19 @@ const CASES: &[&str] = &[
     "bool_permute",
     "bool_expand",
     "bool_unfold",
+    // Picks, writes, cat, int matmul (2026-12-04, second probe).
+    "cat_empty_batch",
+    "gather_nd",
+    "scatter_nd",
+    "int_matmul",
+    "int_cat",
+    "int_gather_nd",
+    "int_scatter_nd",
+    "int_select_add",
+    "int_scatter_add",
+    "bool_cat",
+    "bool_select",
+    "bool_select_or",
 ];
 
 /// `assert_eq!` of values read back, unless `EMPTY_PROBE_VALUES=0`: through the stand-in
@@ -88,6 +101,13 @@ fn case<X: AutodiffBackend>(name: &str, device: &X::Device) -> Result<Float<X>, 
     let ints = || Tensor::<X, 2, Int>::empty([0, 4], device);
     let bools = || Tensor::<X, 2, Bool>::empty([0, 4], device);
     let row = || Tensor::<X, 2>::ones([1, 8], device).require_grad();
+    let int_row = || Tensor::<X, 2, Int>::ones([1, 4], device);
+    let int_values = |t: Tensor<X, 2, Int>| t.into_data().iter::<i64>().collect::<Vec<_>>();
+    // `gather_nd`/`scatter_nd` (Burn refuses them no index): rows of a tensor without
+    // columns, three times the first.
+    let no_columns = || Tensor::<X, 2>::empty([2, 0], device).require_grad();
+    let no_int_columns = || Tensor::<X, 2, Int>::empty([2, 0], device);
+    let first_row = || Tensor::<X, 2, Int>::zeros([3, 1], device);
     let bool_values = |t: Tensor<X, 2, Bool>| t.into_data().iter::<bool>().collect::<Vec<_>>();
     let dims = |got: Vec<usize>, want: &[usize]| assert_eq!(got, want, "{name}: shape");
     // A float op over `x`: its result, to check and to sum into a loss.
@@ -299,6 +319,76 @@ fn case<X: AutodiffBackend>(name: &str, device: &X::Device) -> Result<Float<X>, 
         "bool_unfold" => {
             let row = Tensor::<X, 2, Int>::ones([1, 4], device).greater_elem(0);
             dims(row.unfold::<3, _>(1, 5, 1).dims().to_vec(), &[1, 0, 5]);
+            None
+        }
+        "cat_empty_batch" => {
+            let x = empty();
+            let pos = Tensor::<X, 2>::empty([0, 3], device);
+            float(x.clone(), Tensor::cat(vec![x, pos], 1), &[0, 11])
+        }
+        "gather_nd" => {
+            let x = no_columns();
+            float(x.clone(), x.gather_nd::<2, 2>(first_row()), &[3, 0])
+        }
+        "scatter_nd" => {
+            let x = no_columns();
+            let values = Tensor::<X, 2>::empty([3, 0], device);
+            let out = x
+                .clone()
+                .scatter_nd(first_row(), values, IndexingUpdateOp::Add);
+            float(x, out, &[2, 0])
+        }
+        "int_matmul" => {
+            let out = ints().matmul(Tensor::<X, 2, Int>::ones([4, 3], device));
+            dims(out.dims().to_vec(), &[0, 3]);
+            None
+        }
+        "int_cat" => {
+            let out = Tensor::cat(vec![ints(), Tensor::<X, 2, Int>::empty([0, 2], device)], 1);
+            dims(out.dims().to_vec(), &[0, 6]);
+            None
+        }
+        "int_gather_nd" => {
+            let out = no_int_columns().gather_nd::<2, 2>(first_row());
+            dims(out.dims().to_vec(), &[3, 0]);
+            None
+        }
+        "int_scatter_nd" => {
+            let values = Tensor::<X, 2, Int>::empty([3, 0], device);
+            let out = no_int_columns().scatter_nd(first_row(), values, IndexingUpdateOp::Add);
+            dims(out.dims().to_vec(), &[2, 0]);
+            None
+        }
+        "int_select_add" => {
+            let none = Tensor::<X, 1, Int>::empty([0], device);
+            let out = int_row().select_assign(0, none, ints(), IndexingUpdateOp::Add);
+            values_eq!(int_values(out), [1; 4], "int select_assign of nothing");
+            None
+        }
+        "int_scatter_add" => {
+            let at = Tensor::<X, 2, Int>::empty([0, 4], device);
+            let out = int_row().scatter(0, at, ints(), IndexingUpdateOp::Add);
+            values_eq!(int_values(out), [1; 4], "int scatter of nothing");
+            None
+        }
+        "bool_cat" => {
+            let out = Tensor::cat(vec![bools(), bools()], 1);
+            dims(out.dims().to_vec(), &[0, 8]);
+            None
+        }
+        "bool_select" => {
+            let none = Tensor::<X, 1, Int>::empty([0], device);
+            dims(
+                int_row().greater_elem(0).select(1, none).dims().to_vec(),
+                &[1, 0],
+            );
+            None
+        }
+        "bool_select_or" => {
+            let none = Tensor::<X, 1, Int>::empty([0], device);
+            let mask = int_row().greater_elem(0);
+            let out = mask.select_assign(0, none, bools(), IndexingUpdateOp::Add);
+            values_eq!(bool_values(out), [true; 4], "bool select_assign of nothing");
             None
         }
         other => return Err(format!("no case {other:?}; the cases: {}", CASES.join(" "))),

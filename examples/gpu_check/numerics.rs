@@ -8,8 +8,8 @@
 //! - the Burn 0.21 defects `Amp` works around: products with signs and zeros against an f64
 //!   reference, interpolation's backward against Flex's, picks broadcast by fused ops, average
 //!   pools' gradients (and whether plain Burn gets those wrong on this backend too), the
-//!   backward of `rfft`, `irfft` and `topk`, ops on empty tensors (on CUDA, plain Burn's
-//!   refused launches);
+//!   backward of `rfft`, `irfft` and `topk`, `gather_nd` and `scatter_nd` at repeated indices,
+//!   ops on empty tensors (on CUDA, plain Burn's refused launches);
 //! - random graphs, drawn while the time lasts: fused against unfused (f32, f16, bf16), Flex
 //!   against the unfused kernels (f32), and every saving of autocast on and off.
 //!
@@ -47,6 +47,8 @@ mod deform_conv;
 mod empty;
 #[path = "../../tests/autocast_numerics/empty_reductions.rs"]
 mod empty_reductions;
+#[path = "../../tests/autocast_numerics/indexing.rs"]
+mod indexing;
 #[path = "../../tests/autocast_numerics/interpolate.rs"]
 mod interpolate;
 #[path = "../../tests/autocast_numerics/pooling.rs"]
@@ -227,9 +229,25 @@ pub fn run<T: Target>(
             }),
         ),
         (
+            "gather_nd and scatter_nd at repeated indices (CubeCL's scatter_nd loses updates), \
+             int ones under autodiff (none in burn-autodiff)",
+            Box::new(|| {
+                for &precision in lows {
+                    indexing::gather_nd_and_scatter_nd_at_repeated_indices::<F<T>>(
+                        device, precision,
+                    );
+                }
+                ok(
+                    "picks exact, gradients and adds at a row picked three times within 1e-6 of \
+                    sums by hand, int picks, adds and the embedding they index exact",
+                )
+            }),
+        ),
+        (
             // Last of these: an op it misses on CUDA would end the device's stream.
             "empty tensors: an expert given no token, an empty batch through convolutions, \
-             single float, int and bool ops, reductions, sorts and views, without a kernel",
+             single float, int and bool ops, reductions, sorts, views, picks, writes and cats, \
+             without a kernel",
             Box::new(|| {
                 for &precision in lows {
                     empty::an_empty_expert_changes_nothing::<F<T>>(device, precision);
@@ -237,6 +255,7 @@ pub fn run<T: Target>(
                     empty::an_expert_added_back_with_no_token_gets_zeros::<F<T>>(device, precision);
                     empty::an_empty_batch_through_convolutions::<F<T>>(device, precision);
                     empty::empty_ints_and_bools::<F<T>>(device, precision);
+                    indexing::empty_picks_writes_and_cats::<F<T>>(device, precision);
                     empty_reductions::empty_reductions_sorts_and_views::<F<T>>(device, precision);
                 }
                 ok(

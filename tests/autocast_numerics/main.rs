@@ -42,6 +42,7 @@ mod cast_cache;
 mod deform_conv;
 mod empty;
 mod empty_reductions;
+mod indexing;
 mod interpolate;
 mod pooling;
 mod probabilities;

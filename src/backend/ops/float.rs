@@ -46,8 +46,8 @@ impl<B: Backend> FloatTensorOps<Self> for Amp<B> {
         fn float_reshape(tensor: FloatTensor<Self>, shape: Shape) -> FloatTensor<Self> => [t tensor] via workarounds;
         fn float_gather(dim: usize, tensor: FloatTensor<Self>, indices: IntTensor<Self>) -> FloatTensor<Self> => [t tensor] via workarounds;
         fn float_scatter_add(dim: usize, tensor: FloatTensor<Self>, indices: IntTensor<Self>, value: FloatTensor<Self>) -> FloatTensor<Self> => [t tensor, t value] via workarounds;
-        fn float_scatter_nd(data: FloatTensor<Self>, indices: IntTensor<Self>, values: FloatTensor<Self>, reduction: IndexingUpdateOp) -> FloatTensor<Self> => [t data, t values];
-        fn float_gather_nd(data: FloatTensor<Self>, indices: IntTensor<Self>) -> FloatTensor<Self> => [t data];
+        fn float_scatter_nd(data: FloatTensor<Self>, indices: IntTensor<Self>, values: FloatTensor<Self>, reduction: IndexingUpdateOp) -> FloatTensor<Self> => [t data, t values] via workarounds;
+        fn float_gather_nd(data: FloatTensor<Self>, indices: IntTensor<Self>) -> FloatTensor<Self> => [t data] via workarounds;
         fn float_select(tensor: FloatTensor<Self>, dim: usize, indices: IntTensor<Self>) -> FloatTensor<Self> => [t tensor] via workarounds;
         fn float_select_add(tensor: FloatTensor<Self>, dim: usize, indices: IntTensor<Self>, value: FloatTensor<Self>) -> FloatTensor<Self> => [t tensor, t value] via workarounds;
         fn float_slice(tensor: FloatTensor<Self>, slices: &[Slice]) -> FloatTensor<Self> => [t tensor];

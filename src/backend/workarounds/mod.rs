@@ -38,6 +38,9 @@
 //! **burn-autodiff has no backward for `rfft` and `irfft`** (a `todo!` panic): `Amp` builds
 //! their nodes, each backward the other transform weighted per bin ([`fft`]). **CubeCL
 //! refuses a length-1 transform** (a panic): `Amp` computes that identity itself.
+//! **CubeCL's `scatter_nd` loses updates at a repeated index, hence `gather_nd`'s gradient
+//! too; burn-autodiff has no int `gather_nd` or `scatter_nd`** (a panic): `Amp` computes both
+//! as a `select` and a `select_add` of the flattened data ([`nd`]).
 //!
 //! **CubeCL's `avg_pool2d` backward reads 4 channels at a time** where the output gradient's
 //! channels are adjacent (a 1×1 output, a gradient arriving channels-last), over channels
@@ -55,28 +58,32 @@ pub(crate) mod empty;
 mod fft;
 mod flex_views;
 mod interpolate;
+mod nd;
 mod pooling;
 mod products;
 
 pub(crate) use empty::{
     adaptive_avg_pool1d, adaptive_avg_pool2d, avg_pool2d, bool_all, bool_all_dim, bool_any,
-    bool_any_dim, bool_expand, bool_ones, bool_permute, bool_repeat_dim, bool_reshape,
-    bool_swap_dims, bool_transpose, bool_unfold, bool_zeros, conv_transpose1d, conv_transpose2d,
-    conv_transpose3d, conv1d, conv2d, conv3d, deform_conv2d, embedding, float_all, float_all_dim,
-    float_any, float_any_dim, float_argmax, float_argmin, float_argsort, float_argtopk, float_cast,
-    float_expand, float_full, float_grid_sample_2d, float_into_int, float_matmul, float_max,
-    float_max_abs, float_max_abs_dim, float_max_dim, float_max_dim_with_indices, float_mean,
-    float_mean_dim, float_min, float_min_dim, float_min_dim_with_indices, float_ones,
+    bool_any_dim, bool_cat, bool_expand, bool_gather, bool_ones, bool_permute, bool_repeat_dim,
+    bool_reshape, bool_scatter_or, bool_select, bool_select_or, bool_slice_assign, bool_swap_dims,
+    bool_transpose, bool_unfold, bool_zeros, conv_transpose1d, conv_transpose2d, conv_transpose3d,
+    conv1d, conv2d, conv3d, deform_conv2d, embedding, float_all, float_all_dim, float_any,
+    float_any_dim, float_argmax, float_argmin, float_argsort, float_argtopk, float_cast,
+    float_expand, float_full, float_gather_nd, float_grid_sample_2d, float_into_int, float_matmul,
+    float_max, float_max_abs, float_max_abs_dim, float_max_dim, float_max_dim_with_indices,
+    float_mean, float_mean_dim, float_min, float_min_dim, float_min_dim_with_indices, float_ones,
     float_permute, float_prod, float_prod_dim, float_random, float_repeat_dim, float_reshape,
-    float_scatter_add, float_select_add, float_slice_assign, float_sort_with_indices, float_sum,
-    float_sum_dim, float_swap_dims, float_topk, float_transpose, float_unfold, float_zeros,
-    int_all, int_all_dim, int_any, int_any_dim, int_argmax, int_argmin, int_argsort, int_argtopk,
-    int_expand, int_full, int_gather, int_max, int_max_abs, int_max_abs_dim, int_max_dim,
+    float_scatter_add, float_scatter_nd, float_select_add, float_slice_assign,
+    float_sort_with_indices, float_sum, float_sum_dim, float_swap_dims, float_topk,
+    float_transpose, float_unfold, float_zeros, int_all, int_all_dim, int_any, int_any_dim,
+    int_argmax, int_argmin, int_argsort, int_argtopk, int_cat, int_expand, int_full, int_gather,
+    int_gather_nd, int_matmul, int_max, int_max_abs, int_max_abs_dim, int_max_dim,
     int_max_dim_with_indices, int_mean, int_mean_dim, int_min, int_min_dim,
     int_min_dim_with_indices, int_ones, int_permute, int_prod, int_prod_dim, int_random,
-    int_repeat_dim, int_reshape, int_select, int_sort_with_indices, int_sum, int_sum_dim,
-    int_swap_dims, int_topk, int_transpose, int_unfold, int_zeros, interpolate, linear, max_pool1d,
-    max_pool1d_with_indices, max_pool2d, max_pool2d_with_indices,
+    int_repeat_dim, int_reshape, int_scatter_add, int_scatter_nd, int_select, int_select_add,
+    int_slice_assign, int_sort_with_indices, int_sum, int_sum_dim, int_swap_dims, int_topk,
+    int_transpose, int_unfold, int_zeros, interpolate, linear, max_pool1d, max_pool1d_with_indices,
+    max_pool2d, max_pool2d_with_indices,
 };
 pub(crate) use fft::{irfft, rfft};
 pub(crate) use pooling::{avg_pool1d, avg_pool2d_backward};
@@ -88,10 +95,15 @@ use burn::backend::flex::FlexTensor;
 use burn_backend::TensorMetadata;
 use burn_backend::tensor::{FloatTensor, IntTensor};
 use burn_backend::{Backend, get_device_settings};
-use burn_std::{IntDType, Shape, Slice};
+use burn_std::{IntDType, Slice};
 
-/// `B`'s cat, its inputs held until it returns (see the module docs).
+/// `B`'s cat, its inputs held until it returns (see the module docs); with an empty piece,
+/// [`empty::float_cat_pieces`].
 pub(crate) fn float_cat<B: Backend>(tensors: Vec<FloatTensor<B>>, dim: usize) -> FloatTensor<B> {
+    let tensors = match empty::float_cat_pieces::<B>(tensors, dim) {
+        Ok(out) => return out,
+        Err(pieces) => pieces,
+    };
     let held = tensors.clone();
     let out = B::float_cat(tensors, dim);
     drop(held);
@@ -104,7 +116,7 @@ pub(crate) fn float_gather<B: Backend>(
     tensor: FloatTensor<B>,
     indices: IntTensor<B>,
 ) -> FloatTensor<B> {
-    match empty::picked::<B>(tensor, &indices, |_, indices| indices.clone()) {
+    match empty::picked::<B>(tensor, &indices, empty::gathered) {
         Ok(out) => out,
         Err(tensor) => materialized::<B>(B::float_gather(dim, tensor, indices), dim),
     }
@@ -179,12 +191,7 @@ pub(crate) fn float_select<B: Backend>(
     dim: usize,
     indices: IntTensor<B>,
 ) -> FloatTensor<B> {
-    let picked = |tensor: &Shape, indices: &Shape| {
-        let mut shape = tensor.clone();
-        shape[dim] = indices.num_elements();
-        shape
-    };
-    match empty::picked::<B>(tensor, &indices, picked) {
+    match empty::picked::<B>(tensor, &indices, empty::selected(dim)) {
         Ok(out) => out,
         Err(tensor) => materialized::<B>(B::float_select(tensor, dim, indices), dim),
     }

@@ -21,16 +21,16 @@
 //! Covered: creation (float, int, bool); the elementwise ops, activations and comparisons
 //! (their result has the broadcast shape of their float inputs, [`Elementwise`]; checked in
 //! `autocast_ops!`), and those of int and bool tensors, conversions between the kinds included
-//! (marked `=> empty` in `forward!`); casts, `matmul`, `linear`, `select`, `gather`,
-//! `embedding` (float; `select` and `gather` of ints); `select_add`, `scatter_add` and
-//! `slice_assign` of an empty value (the tensor itself, with the value kept in the graph);
-//! reductions, sorts and top-k of floats, ints and bools ([`reduce`]: PyTorch's value over
-//! nothing, or a panic where there is none); views with an empty result ([`views`]: reshape,
-//! transpose, permute, expand, repeat, unfold); convolutions, pooling and `interpolate` over
-//! an empty batch, deformable ones and `grid_sample` too ([`batch`]). Not covered: `gather_nd`
-//! and `scatter_nd`, int `matmul`, and burn-autodiff's own backward ops (they run on `B`
-//! directly): a gradient of an empty tensor that autodiff has to add to another still
-//! launches on CUDA.
+//! (marked `=> empty` in `forward!`); casts, `matmul` (float and int), `linear`; picks, writes
+//! and `cat` of floats, ints and bools ([`indexing`]: `select`, `gather`, `gather_nd`,
+//! `embedding` of no index; `select_add`, `scatter_add`, `scatter_nd`, `slice_assign` of an
+//! empty value, the tensor itself with the value kept in the graph; a `cat` with an empty
+//! piece); reductions, sorts and top-k ([`reduce`]: PyTorch's value over nothing, or a panic
+//! where there is none); views with an empty result ([`views`]: reshape, transpose, permute,
+//! expand, repeat, unfold); convolutions, pooling and `interpolate` over an empty batch,
+//! deformable ones and `grid_sample` too ([`batch`]). Not covered: burn-autodiff's own
+//! backward ops (they run on `B` directly): a gradient of an empty tensor that autodiff has to
+//! add to another still launches on CUDA.
 
 use burn::backend::autodiff::checkpoint::base::Checkpointer;
 use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
@@ -46,11 +46,14 @@ use crate::backend::concrete::{AutodiffTensor, Visit, dispatch, moved};
 use crate::backend::policy::Op;
 
 mod batch;
+mod indexing;
+mod kind;
 mod ops;
 mod reduce;
 mod views;
 
 pub(crate) use batch::*;
+pub(crate) use indexing::*;
 pub(crate) use ops::*;
 pub(crate) use reduce::*;
 pub(crate) use views::*;

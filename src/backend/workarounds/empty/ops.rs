@@ -1,11 +1,11 @@
 //! The ops with a result of their own shape rule on empty tensors (see the module docs
-//! above): creation, casts, matmul, linear, picks, writes of nothing.
+//! above): creation, casts, matmul, linear.
 
 use burn_backend::tensor::{BoolTensor, Device, FloatTensor, IntTensor};
 use burn_backend::{Backend, Distribution, Scalar, TensorMetadata};
-use burn_std::{BoolDType, FloatDType, IntDType, Shape, Slice};
+use burn_std::{BoolDType, FloatDType, IntDType, Shape};
 
-use super::{Fill, broadcast, constant, float_dtype, is_empty, unchanged};
+use super::{Fill, broadcast, constant, float_dtype, is_empty};
 
 /// Creation ops: an empty shape is an allocation (`*_empty`), not a fill kernel.
 macro_rules! created {
@@ -57,6 +57,20 @@ pub(crate) fn float_matmul<B: Backend>(lhs: FloatTensor<B>, rhs: FloatTensor<B>)
     B::float_matmul(lhs, rhs)
 }
 
+/// The int matmul: as the float one.
+pub(crate) fn int_matmul<B: Backend>(lhs: IntTensor<B>, rhs: IntTensor<B>) -> IntTensor<B> {
+    if (is_empty(&lhs) || is_empty(&rhs))
+        && let Some(shape) = matmul_shape(&lhs.shape(), &rhs.shape())
+    {
+        let (device, dtype) = (B::int_device(&lhs), lhs.dtype().into());
+        return match shape.num_elements() {
+            0 => B::int_empty(shape, &device, dtype),
+            _ => B::int_zeros(shape, &device, dtype),
+        };
+    }
+    B::int_matmul(lhs, rhs)
+}
+
 fn matmul_shape(lhs: &Shape, rhs: &Shape) -> Option<Shape> {
     let rank = lhs.num_dims();
     if rank < 2 || rhs.num_dims() != rank || lhs[rank - 1] != rhs[rank - 2] {
@@ -104,71 +118,6 @@ pub(crate) fn linear<B: Backend>(
     B::linear(x, weight, bias)
 }
 
-/// A pick of no index, or from an empty tensor: empty, the picked shape.
-pub(crate) fn picked<B: Backend>(
-    tensor: FloatTensor<B>,
-    indices: &IntTensor<B>,
-    shape: impl FnOnce(&Shape, &Shape) -> Shape,
-) -> Result<FloatTensor<B>, FloatTensor<B>> {
-    let index_shape = indices.shape();
-    if index_shape.num_elements() > 0 && !is_empty(&tensor) {
-        return Err(tensor);
-    }
-    let shape = shape(&tensor.shape(), &index_shape);
-    if shape.num_elements() > 0 {
-        return Err(tensor);
-    }
-    let dtype = float_dtype(tensor.dtype());
-    Ok(constant::<B>(vec![tensor], shape, dtype, Fill::Empty))
-}
-
-/// `embedding(weights [n, d], indices [..])`: `[.., d]`.
-pub(crate) fn embedding<B: Backend>(
-    weights: FloatTensor<B>,
-    indices: IntTensor<B>,
-) -> FloatTensor<B> {
-    match picked::<B>(weights, &indices, |w, i| {
-        let mut dims = i.as_slice().to_vec();
-        dims.push(w[w.num_dims() - 1]);
-        Shape::from(dims)
-    }) {
-        Ok(out) => out,
-        Err(weights) => B::embedding(weights, indices),
-    }
-}
-
-/// An int pick of no index, or from an empty tensor: empty.
-fn int_picked<B: Backend>(tensor: &IntTensor<B>, shape: Shape) -> Option<IntTensor<B>> {
-    (shape.num_elements() == 0)
-        .then(|| B::int_empty(shape, &B::int_device(tensor), tensor.dtype().into()))
-}
-
-pub(crate) fn int_select<B: Backend>(
-    tensor: IntTensor<B>,
-    dim: usize,
-    indices: IntTensor<B>,
-) -> IntTensor<B> {
-    let (mut shape, index_shape) = (tensor.shape(), indices.shape());
-    if shape.num_elements() == 0 || index_shape.num_elements() == 0 {
-        shape[dim] = index_shape[0];
-        if let Some(out) = int_picked::<B>(&tensor, shape) {
-            return out;
-        }
-    }
-    B::int_select(tensor, dim, indices)
-}
-
-pub(crate) fn int_gather<B: Backend>(
-    dim: usize,
-    tensor: IntTensor<B>,
-    indices: IntTensor<B>,
-) -> IntTensor<B> {
-    match int_picked::<B>(&tensor, indices.shape()) {
-        Some(out) => out,
-        None => B::int_gather(dim, tensor, indices),
-    }
-}
-
 /// An empty float tensor as ints: empty.
 pub(crate) fn float_into_int<B: Backend>(
     tensor: FloatTensor<B>,
@@ -178,30 +127,6 @@ pub(crate) fn float_into_int<B: Backend>(
         return B::int_empty(tensor.shape(), &B::float_device(&tensor), out_dtype);
     }
     B::float_into_int(tensor, out_dtype)
-}
-
-/// `select_add`, `scatter_add` and `slice_assign` of an empty `value`: the tensor unchanged
-/// (what `value` came from stays in the graph).
-macro_rules! writes_of_nothing {
-    ($($name:ident([$($before:ident: $bty:ty),*] tensor [$($after:ident: $aty:ty),*]);)*) => {$(
-        pub(crate) fn $name<B: Backend>(
-            $($before: $bty,)*
-            tensor: FloatTensor<B>,
-            $($after: $aty,)*
-            value: FloatTensor<B>,
-        ) -> FloatTensor<B> {
-            if is_empty(&value) {
-                return unchanged::<B>(tensor, value);
-            }
-            B::$name($($before,)* tensor, $($after,)* value)
-        }
-    )*};
-}
-
-writes_of_nothing! {
-    float_select_add([] tensor [dim: usize, indices: IntTensor<B>]);
-    float_scatter_add([dim: usize] tensor [indices: IntTensor<B>]);
-    float_slice_assign([] tensor [slices: &[Slice]]);
 }
 
 /// An empty result of `shape` over `tensor`, in its dtype.

@@ -14,40 +14,7 @@ use burn_std::Shape;
 
 use super::super::flex_views;
 use super::is_empty;
-use super::ops::empty_like;
-
-/// A tensor kind of `B`: how an empty result is made over a tensor of it.
-trait Kind<B: Backend> {
-    type Tensor: TensorMetadata;
-    /// An empty tensor of `shape` in `tensor`'s dtype, on its device (a float one keeps
-    /// `tensor` in the graph).
-    fn empty_over(tensor: Self::Tensor, shape: Shape) -> Self::Tensor;
-}
-
-struct Float;
-struct Int;
-struct Bool;
-
-impl<B: Backend> Kind<B> for Float {
-    type Tensor = FloatTensor<B>;
-    fn empty_over(tensor: FloatTensor<B>, shape: Shape) -> FloatTensor<B> {
-        empty_like::<B>(tensor, shape)
-    }
-}
-
-impl<B: Backend> Kind<B> for Int {
-    type Tensor = IntTensor<B>;
-    fn empty_over(tensor: IntTensor<B>, shape: Shape) -> IntTensor<B> {
-        B::int_empty(shape, &B::int_device(&tensor), tensor.dtype().into())
-    }
-}
-
-impl<B: Backend> Kind<B> for Bool {
-    type Tensor = BoolTensor<B>;
-    fn empty_over(tensor: BoolTensor<B>, shape: Shape) -> BoolTensor<B> {
-        B::bool_empty(shape, &B::bool_device(&tensor), tensor.dtype().into())
-    }
-}
+use super::kind::{Bool, Float, Int, Kind};
 
 // The shape rules of the views, as Burn's.
 
@@ -98,7 +65,7 @@ macro_rules! views {
             if $gate(&tensor) {
                 let out = $rule(tensor.shape() $(, $arg.clone())*);
                 if out.num_elements() == 0 {
-                    return <$kind as Kind<B>>::empty_over(tensor, out);
+                    return <$kind as Kind<B>>::empty_over(vec![tensor], out);
                 }
             }
             $inner(tensor $(, $arg)*)
