@@ -294,6 +294,20 @@ pub fn run<T: Target>(
         "kind": "info", "suite": "workarounds", "case": "plain Burn: avg_pool2d's gradient",
         "detail": plain.detail, "error": plain.error, "ms": plain.ms,
     }));
+    // Whether plain Burn's scatter_nd loses updates at a repeated index here too (a race:
+    // the count may vary from run to run).
+    let plain = timed(|| {
+        let (floats, ints) = indexing::plain_scatter_nd_at_a_repeated_row::<F<T>>(device);
+        Ok(format!(
+            "plain {}: three updates of 1 at one row give {floats} (floats), {ints} (ints); 3 \
+             is right",
+            T::NAME
+        ))
+    });
+    report.emit(json!({
+        "kind": "info", "suite": "workarounds", "case": "plain Burn: scatter_nd at a repeated index",
+        "detail": plain.detail, "error": plain.error, "ms": plain.ms,
+    }));
     failed
 }
 

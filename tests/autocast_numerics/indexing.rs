@@ -309,36 +309,40 @@ fn plain_autodiff_has_no_int_gather_nd_or_scatter_nd() {
     }));
 }
 
+/// What plain `X` makes of three updates of 1 added at one row by `scatter_nd`, floats and
+/// ints (3 is right): the kernel itself, no autodiff.
+pub(crate) fn plain_scatter_nd_at_a_repeated_row<X: Backend>(device: &X::Device) -> (f32, i64) {
+    let at = || Tensor::<X, 2, Int>::from_data(TensorData::new(vec![1i64, 1, 1], [3, 1]), device);
+    let floats = Tensor::<X, 2>::zeros([2, 4], device).scatter_nd(
+        at(),
+        Tensor::<X, 2>::ones([3, 4], device),
+        IndexingUpdateOp::Add,
+    );
+    let ints = Tensor::<X, 2, Int>::zeros([2, 4], device).scatter_nd(
+        at(),
+        Tensor::<X, 2, Int>::ones([3, 4], device),
+        IndexingUpdateOp::Add,
+    );
+    let ints = ints.into_data().convert::<i64>().to_vec::<i64>().unwrap();
+    (values(floats)[4], ints[4])
+}
+
 /// Plain Burn on wgpu: an adding `scatter_nd` keeps one of three updates at a repeated row,
-/// floats and ints (unfused CubeCL, no autodiff: the kernel itself). When this fails, a Burn
-/// adds them all and `nd.rs`'s `select` form is needed only for ints under autodiff.
+/// floats and ints (unfused CubeCL). When this fails, a Burn adds them all and `nd.rs`'s
+/// `select` form is needed only for ints under autodiff.
 #[test]
 fn plain_wgpu_scatter_nd_loses_repeated_updates() {
     let Some(device) = common::wgpu_device() else {
         return;
     };
     type Bare = burn_cubecl::CubeBackend<burn::backend::wgpu::WgpuRuntime, f32, i32, u32>;
-    let at =
-        || Tensor::<Bare, 2, Int>::from_data(TensorData::new(vec![1i64, 1, 1], [3, 1]), &device);
-    let floats = Tensor::<Bare, 2>::zeros([2, 4], &device).scatter_nd(
-        at(),
-        Tensor::<Bare, 2>::ones([3, 4], &device),
-        IndexingUpdateOp::Add,
-    );
-    let ints = Tensor::<Bare, 2, Int>::zeros([2, 4], &device).scatter_nd(
-        at(),
-        Tensor::<Bare, 2, Int>::ones([3, 4], &device),
-        IndexingUpdateOp::Add,
-    );
-    let row = (
-        values(floats)[4],
-        ints.into_data().convert::<i64>().to_vec::<i64>().unwrap()[4],
-    );
+    let row = plain_scatter_nd_at_a_repeated_row::<Bare>(&device);
     assert!(
         row.0 < 3.0 && row.1 < 3,
         "plain Burn 0.21 on wgpu: three updates of 1 at one row give {row:?}, not 3"
     );
 }
+
 /// And plain Burn on wgpu still fails on a `cat` of an empty batch and a `select_assign` of
 /// nothing (measured on the unfused CubeCL backend, where the op's own panic is raised; under
 /// fusion the same overflow comes out of the thread that flushes). When this fails, those
