@@ -72,14 +72,14 @@ impl<B: Backend> Flat<B> {
     }
 }
 
-/// `data.gather_nd(indices)`, float: a `select` (`pick`: the workarounds' select).
+/// `data.gather_nd(indices)`, float: the workarounds' `select` (a pick of one row is copied
+/// before fusion can broadcast it wrong).
 pub(crate) fn float_gather_nd<B: Backend>(
     data: FloatTensor<B>,
     indices: IntTensor<B>,
-    pick: impl FnOnce(FloatTensor<B>, usize, IntTensor<B>) -> FloatTensor<B>,
 ) -> FloatTensor<B> {
     let flat = Flat::<B>::new(&data.shape(), indices);
-    let picked = pick(B::float_reshape(data, flat.flat_data), 0, flat.rows);
+    let picked = super::float_select::<B>(B::float_reshape(data, flat.flat_data), 0, flat.rows);
     B::float_reshape(picked, flat.picked)
 }
 

@@ -13,7 +13,7 @@ use burn_backend::tensor::{BoolTensor, FloatTensor, IndexingUpdateOp, IntTensor}
 use burn_backend::{Backend, TensorMetadata};
 use burn_std::{Shape, Slice};
 
-use super::super::{float_select, nd};
+use super::super::nd;
 use super::is_empty;
 use super::kind::{Bool, Float, Int, Kind};
 
@@ -95,7 +95,7 @@ pub(crate) fn float_gather_nd<B: Backend>(
         return B::float_gather_nd(data, indices);
     }
     picked::<B>(data, &indices, gathered_nd)
-        .unwrap_or_else(|d| nd::float_gather_nd::<B>(d, indices, float_select::<B>))
+        .unwrap_or_else(|d| nd::float_gather_nd::<B>(d, indices))
 }
 
 pub(crate) fn int_gather_nd<B: Backend>(data: IntTensor<B>, indices: IntTensor<B>) -> IntTensor<B> {
