@@ -9,7 +9,7 @@
 //!   reference, interpolation's backward against Flex's, picks broadcast by fused ops, average
 //!   pools' gradients (and whether plain Burn gets those wrong on this backend too), the
 //!   backward of `rfft`, `irfft` and `topk`, `gather_nd` and `scatter_nd` at repeated indices,
-//!   ops on empty tensors (on CUDA, plain Burn's refused launches);
+//!   `grid_sample` in every mode, ops on empty tensors (on CUDA, plain Burn's refused launches);
 //! - random graphs, drawn while the time lasts: fused against unfused (f32, f16, bf16), Flex
 //!   against the unfused kernels (f32), and every saving of autocast on and off.
 //!
@@ -47,6 +47,8 @@ mod deform_conv;
 mod empty;
 #[path = "../../tests/autocast_numerics/empty_reductions.rs"]
 mod empty_reductions;
+#[path = "../../tests/autocast_numerics/grid_sample.rs"]
+mod grid_sample;
 #[path = "../../tests/autocast_numerics/indexing.rs"]
 mod indexing;
 #[path = "../../tests/autocast_numerics/interpolate.rs"]
@@ -240,6 +242,19 @@ pub fn run<T: Target>(
                 ok(
                     "picks exact, gradients and adds at a row picked three times within 1e-6 of \
                     sums by hand, int picks, adds and the embedding they index exact",
+                )
+            }),
+        ),
+        (
+            "grid_sample in nearest and bicubic mode (no kernel, no backward in Burn) and \
+             bilinear, every padding, against PyTorch's sampler in f64",
+            Box::new(|| {
+                for &precision in lows {
+                    grid_sample::samples_as_pytorch::<F<T>>(device, precision, T::NAME, 1e-5);
+                }
+                ok(
+                    "3 modes x 3 paddings x align_corners: outputs and input gradients within 1e-5 \
+                    of the reference, grid gradients within 1e-4 of its differences",
                 )
             }),
         ),

@@ -42,6 +42,7 @@ mod cast_cache;
 mod deform_conv;
 mod empty;
 mod empty_reductions;
+mod grid_sample;
 mod indexing;
 mod interpolate;
 mod pooling;

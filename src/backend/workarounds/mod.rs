@@ -41,6 +41,10 @@
 //! **CubeCL's `scatter_nd` loses updates at a repeated index, hence `gather_nd`'s gradient
 //! too; burn-autodiff has no int `gather_nd` or `scatter_nd`** (a panic): `Amp` computes both
 //! as a `select` and a `select_add` of the flattened data ([`nd`]).
+//! **`grid_sample_2d` is bilinear only** outside Flex (CubeCL panics on other modes,
+//! burn-autodiff's composition is bilinear only), Flex has no bicubic and rounds nearest's
+//! ties away from zero: `Amp` composes nearest and bicubic from gathers, as PyTorch samples
+//! ([`grid_sample`]).
 //!
 //! **CubeCL's `avg_pool2d` backward reads 4 channels at a time** where the output gradient's
 //! channels are adjacent (a 1×1 output, a gradient arriving channels-last), over channels
@@ -57,6 +61,7 @@
 pub(crate) mod empty;
 mod fft;
 mod flex_views;
+mod grid_sample;
 mod interpolate;
 mod nd;
 mod pooling;

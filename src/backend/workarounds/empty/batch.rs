@@ -13,7 +13,7 @@ use burn_backend::tensor::{FloatTensor, IntTensor};
 use burn_backend::{Backend, TensorMetadata, get_device_settings};
 use burn_std::{MetadataError, Shape};
 
-use super::super::{interpolate as interpolated, pooling};
+use super::super::{grid_sample, interpolate as interpolated, pooling};
 use super::ops::{empty_like, with_indices};
 use super::{Fill, constant, float_dtype, is_empty};
 
@@ -104,7 +104,7 @@ pub(crate) fn float_grid_sample_2d<B: Backend>(
             return constant::<B>(vec![tensor, grid], shape, dtype, Fill::Empty);
         }
     }
-    B::float_grid_sample_2d(tensor, grid, options)
+    grid_sample::grid_sample_2d::<B>(tensor, grid, options)
 }
 
 /// `[n, c, ..]` with the trailing dimensions `size`.
