@@ -9,7 +9,8 @@
 //!   reference, interpolation's backward against Flex's, picks broadcast by fused ops, average
 //!   pools' gradients (and whether plain Burn gets those wrong on this backend too), the
 //!   backward of `rfft`, `irfft` and `topk`, `gather_nd` and `scatter_nd` at repeated indices,
-//!   `grid_sample` in every mode, ops on empty tensors (on CUDA, plain Burn's refused launches);
+//!   `grid_sample` in every mode, `repeat`'s gradient, ops on empty tensors (on CUDA, plain
+//!   Burn's refused launches);
 //! - random graphs, drawn while the time lasts: fused against unfused (f32, f16, bf16), Flex
 //!   against the unfused kernels (f32), and every saving of autocast on and off.
 //!
@@ -47,6 +48,9 @@ mod deform_conv;
 mod empty;
 #[path = "../../tests/autocast_numerics/empty_reductions.rs"]
 mod empty_reductions;
+// Not run here (Flex in f64, no backend of the target's): the random graphs' module uses it.
+#[path = "../../tests/autocast_numerics/gradient_check/mod.rs"]
+mod gradient_check;
 #[path = "../../tests/autocast_numerics/grid_sample.rs"]
 mod grid_sample;
 #[path = "../../tests/autocast_numerics/indexing.rs"]
@@ -63,6 +67,8 @@ mod random_graphs;
 mod random_pools;
 #[path = "../../tests/autocast_numerics/recompute.rs"]
 mod recompute;
+#[path = "../../tests/autocast_numerics/repeat.rs"]
+mod repeat;
 #[path = "../../tests/autocast_numerics/shared_casts.rs"]
 mod shared_casts;
 #[path = "../../tests/autocast_numerics/spectral.rs"]
@@ -243,6 +249,15 @@ pub fn run<T: Target>(
                     "picks exact, gradients and adds at a row picked three times within 1e-6 of \
                     sums by hand, int picks, adds and the embedding they index exact",
                 )
+            }),
+        ),
+        (
+            "repeat's gradient (burn-autodiff sums a tiling as an interleaving)",
+            Box::new(|| {
+                for &precision in lows {
+                    repeat::repeat_backpropagates_right::<F<T>>(device, precision);
+                }
+                ok("4 tilings of [2, 3, 2]: values and gradients exactly the sums by hand")
             }),
         ),
         (

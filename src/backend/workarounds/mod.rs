@@ -41,6 +41,9 @@
 //! **CubeCL's `scatter_nd` loses updates at a repeated index, hence `gather_nd`'s gradient
 //! too; burn-autodiff has no int `gather_nd` or `scatter_nd`** (a panic): `Amp` computes both
 //! as a `select` and a `select_add` of the flattened data ([`nd`]).
+//! **burn-autodiff differentiates `repeat_dim` as an interleaving** where the forward tiles
+//! (every backend, a repeated dimension longer than 1): `Amp` repeats through a new
+//! dimension of 1, whose backward is right ([`repeat`]).
 //! **`grid_sample_2d` is bilinear only** outside Flex (CubeCL panics on other modes,
 //! burn-autodiff's composition is bilinear only), Flex has no bicubic and rounds nearest's
 //! ties away from zero: `Amp` composes nearest and bicubic from gathers, as PyTorch samples
@@ -66,6 +69,7 @@ mod interpolate;
 mod nd;
 mod pooling;
 mod products;
+mod repeat;
 
 pub(crate) use empty::{
     adaptive_avg_pool1d, adaptive_avg_pool2d, avg_pool2d, bool_all, bool_all_dim, bool_any,

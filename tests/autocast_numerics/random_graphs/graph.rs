@@ -73,7 +73,7 @@ pub(crate) enum Op {
     TransposedBiasCat,
 }
 
-const OPS: [Op; 61] = [
+pub(super) const OPS: [Op; 61] = [
     Op::Matmul,
     Op::Add,
     Op::Sub,
@@ -188,6 +188,27 @@ impl Case {
     /// Whether any node of the graph is one of `ops`.
     pub(super) fn has(&self, ops: &[Op]) -> bool {
         self.nodes.iter().any(|n| ops.contains(&n.op))
+    }
+
+    /// One op on the input and the first weight (`dim` where it takes one), its output the
+    /// loss's, on the leaves of `seed`'s graph.
+    pub(super) fn single(op: Op, dim: usize, seed: u64) -> Self {
+        let mut case = Case::draw(seed, 2);
+        case.nodes = vec![Node {
+            op,
+            a: 0,
+            b: 1,
+            dim,
+        }];
+        case.outputs = vec![LEAVES];
+        case.two_losses = false;
+        case.twice = false;
+        case
+    }
+
+    /// The leaves' values.
+    pub(super) fn data(&self) -> &[Vec<f32>; LEAVES] {
+        &self.data
     }
 
     pub(super) fn draw(seed: u64, max_ops: usize) -> Self {
@@ -384,6 +405,40 @@ fn apply<B: Backend>(
     }
 }
 
+/// The case's loss on `B` for one forward from `leaves` (the values of any float dtype: the
+/// gradient check runs it in f64), all outputs summed; values are kept to the end.
+pub(super) fn total_loss<B: Backend>(case: &Case, leaves: &[Tensor<B, 2>]) -> Tensor<B, 1> {
+    let device = leaves[0].device();
+    let mask = Tensor::<B, 2, Bool>::from_data(TensorData::new(case.mask.clone(), [N, N]), &device);
+    let rows = Tensor::<B, 1, Int>::from_data(TensorData::new(case.rows.clone(), [N]), &device);
+    let mut pool: Vec<_> = leaves.iter().cloned().map(Some).collect();
+    for node in &case.nodes {
+        let out = apply(*node, &pool, &mask, &rows);
+        pool.push(Some(out));
+    }
+    let weights = leaves[LEAVES - 1].clone().abs().add_scalar(0.5);
+    weighted(&pool, &case.outputs, &weights)
+}
+
+/// The sum of `outputs` of `pool`, each weighted by `weights` (times 1, 2, .. in turn) and
+/// averaged: a plain mean of a softmax or of a normalized row is constant, and its gradient
+/// would be rounding noise alone.
+fn weighted<B: Backend>(
+    pool: &[Option<Tensor<B, 2>>],
+    outputs: &[usize],
+    weights: &Tensor<B, 2>,
+) -> Tensor<B, 1> {
+    outputs
+        .iter()
+        .enumerate()
+        .map(|(k, &i)| {
+            let output = pool[i].clone().expect("an output");
+            (output * weights.clone().mul_scalar(1.0 + k as f32)).mean()
+        })
+        .reduce(|a, b| a + b)
+        .expect("an output")
+}
+
 /// The case's loss values on `B`, each forward's then backpropagated: every tracked leaf's
 /// gradient per forward (an empty `TensorData` where a leaf got none).
 pub(super) fn run<B: AutodiffBackend>(case: &Case, device: &B::Device) -> Vec<TensorData> {
@@ -423,20 +478,8 @@ pub(super) fn run<B: AutodiffBackend>(case: &Case, device: &B::Device) -> Vec<Te
     };
     let pool = forward();
     let second = case.twice.then(forward);
-    // Each output weighted by a fixed tensor: a plain mean of a softmax or of a normalized
-    // row is constant, and its gradient would be rounding noise alone.
     let weights = leaf(LEAVES - 1).abs().add_scalar(0.5);
-    let loss = |pool: &[Option<Tensor<B, 2>>], outputs: &[usize]| {
-        outputs
-            .iter()
-            .enumerate()
-            .map(|(k, &i)| {
-                let output = pool[i].clone().expect("an output");
-                (output * weights.clone().mul_scalar(1.0 + k as f32)).mean()
-            })
-            .reduce(|a, b| a + b)
-            .expect("an output")
-    };
+    let loss = |pool: &[Option<Tensor<B, 2>>], outputs: &[usize]| weighted(pool, outputs, &weights);
     // The losses of each forward. Two losses over one graph are backpropagated as their sum:
     // burn-autodiff frees a graph's nodes in its backward (there is no `retain_graph`), so a
     // second backward through shared nodes panics, in plain Burn as under `Amp`.

@@ -25,8 +25,11 @@
 //! among them, once gradients were compared (until 2026-12-02 a check skipped every
 //! backward), Flex's wrong gradient for a bias added before a transposition and a cat, and
 //! the CubeCL backends' missing backward of bilinear interpolation (a panic), both now
-//! avoided under `Amp`.
+//! avoided under `Amp`. `gradients.rs` holds the same ops, alone and composed, to central
+//! differences in f64 (`gradient_check`), which no comparison between backends can replace:
+//! it found burn-autodiff's `repeat_dim` gradient wrong on every backend (`repeat.rs`).
 
+mod gradients;
 mod graph;
 
 use burn::backend::autodiff::checkpoint::strategy::{
@@ -235,12 +238,14 @@ pub(crate) fn savings_change_no_value_on<X: Backend>(
     // Plain autodiff gets patterns wrong that `Amp` works around (`workarounds.rs`,
     // `interpolate.rs`): over Burn 0.21's fusion, a broadcast per-row pick; on Flex, a
     // bias's gradient summed from a transposed view; on CubeCL, a bilinear interpolation
-    // has no backward (a panic). No reference there.
+    // has no backward (a panic); everywhere, `repeat_dim`'s gradient (the adaptive pool's
+    // output tiled back, `repeat.rs`). No reference there.
     let backend = core::any::type_name::<X>();
     let plain_wrong = |op: Op| match op {
         Op::Argmax => backend.contains("Fusion"),
         Op::TransposedBiasCat => backend.contains("Flex"),
         Op::Interpolate => backend.contains("CubeBackend"),
+        Op::AdaptivePool => true,
         _ => false,
     };
     if !case.nodes.iter().any(|n| plain_wrong(n.op)) {

@@ -12,7 +12,7 @@ use burn_backend::tensor::{BoolTensor, FloatTensor, IntTensor};
 use burn_backend::{Backend, TensorMetadata};
 use burn_std::Shape;
 
-use super::super::flex_views;
+use super::super::{flex_views, repeat};
 use super::is_empty;
 use super::kind::{Bool, Float, Int, Kind};
 
@@ -79,7 +79,7 @@ views! {
     Float(FloatTensor) float_swap_dims(dim1: usize, dim2: usize) if is_empty by swapped, else flex_views::float_swap_dims::<B>;
     Float(FloatTensor) float_permute(axes: &[usize]) if is_empty by permuted, else flex_views::float_permute::<B>;
     Float(FloatTensor) float_expand(shape: Shape) if any_input by given, else B::float_expand;
-    Float(FloatTensor) float_repeat_dim(dim: usize, times: usize) if any_input by repeated, else B::float_repeat_dim;
+    Float(FloatTensor) float_repeat_dim(dim: usize, times: usize) if any_input by repeated, else repeat::float_repeat_dim::<B>;
     Float(FloatTensor) float_unfold(dim: usize, size: usize, step: usize) if any_input by unfolded, else B::float_unfold;
     Int(IntTensor) int_reshape(shape: Shape) if is_empty by given, else B::int_reshape;
     Int(IntTensor) int_transpose() if is_empty by transposed, else B::int_transpose;
