@@ -9,7 +9,7 @@
 //! explains (their gap does not double with the step) and that element is left out; a check
 //! that leaves out more than an eighth of a leaf fails.
 //!
-//! `ops.rs`: 80-odd float ops of Burn 0.21 one by one (unary, binary with broadcasting,
+//! `ops.rs`: 101 float ops of Burn 0.21 one by one (unary, binary with broadcasting,
 //! reductions, scans, sorting, shape and indexing ops, every module op); the random graphs
 //! (`random_graphs/gradients.rs`): compositions.
 

@@ -6,14 +6,15 @@ use burn::tensor::activation::{
 };
 use burn::tensor::module::{
     adaptive_avg_pool1d, adaptive_avg_pool2d, attention, avg_pool2d, conv_transpose1d,
-    conv_transpose2d, conv2d, conv3d, ctc_loss, deform_conv2d, interpolate, max_pool2d, unfold4d,
+    conv_transpose2d, conv_transpose3d, conv2d, conv3d, ctc_loss, deform_conv2d, interpolate,
+    max_pool2d, max_pool2d_with_indices, unfold4d,
 };
 use burn::tensor::ops::{
     AttentionModuleOptions, ConvOptions, ConvTransposeOptions, DeformConvOptions,
     GridSampleOptions, GridSamplePaddingMode, InterpolateMode, InterpolateOptions, UnfoldOptions,
 };
 use burn::tensor::signal::rfft;
-use burn::tensor::{IndexingUpdateOp, Int, Slice};
+use burn::tensor::{Bool, IndexingUpdateOp, Int, Slice, TensorPrimitive};
 
 use super::super::common::Rng;
 use super::*;
@@ -108,6 +109,19 @@ const OPS: &[&str] = &[
     "attention bias softcap causal",
     "ctc_loss",
     "rfft",
+    "conv_transpose3d",
+    "conv_transpose2d grouped dilated",
+    "layer_norm",
+    "interpolate bilinear align_corners",
+    "interpolate bicubic align_corners",
+    "adaptive_avg_pool2d 4x4 to 6x3",
+    "max_pool2d_with_indices",
+    "attention masked",
+    "ctc_loss batch of two",
+    "deform_conv2d grouped",
+    "grid_sample bilinear zeros align_corners",
+    "slice_assign stepped",
+    "slice_fill",
 ];
 
 /// What plain `Autodiff<Flex>` gets wrong in Burn 0.21, each a defect the README lists and
@@ -364,6 +378,91 @@ fn apply<B: Backend>(name: &str, a: Tensor<B, 2>, b: Tensor<B, 2>) -> Tensor<B, 
             let (re, im) = rfft(a, 1, None);
             flat(Tensor::cat(vec![re, im], 1))
         }
+        "conv_transpose3d" => {
+            let weight = b.slice([0..1, 0..8]).reshape([1, 1, 2, 2, 2]);
+            let options = ConvTransposeOptions::new([2, 1, 1], [0, 1, 0], [1, 0, 0], [1, 1, 2], 1);
+            flat(conv_transpose3d(
+                a.reshape([1, 1, 4, 4, 4]),
+                weight,
+                None,
+                options,
+            ))
+        }
+        "conv_transpose2d grouped dilated" => {
+            let weight = b.slice([0..4, 0..8]).reshape([4, 2, 2, 2]);
+            let options = ConvTransposeOptions::new([2, 1], [1, 0], [1, 0], [1, 2], 2);
+            flat(conv_transpose2d(image(a), weight, None, options))
+        }
+        "layer_norm" => {
+            let gamma = b.clone().slice([0..1, 0..8]).reshape([8]);
+            let beta = b.slice([1..2, 0..8]).reshape([8]);
+            let out = B::layer_norm(
+                a.into_primitive().tensor(),
+                gamma.into_primitive().tensor(),
+                Some(beta.into_primitive().tensor()),
+                1e-5,
+            );
+            flat(Tensor::<B, 2>::from_primitive(TensorPrimitive::Float(out)))
+        }
+        "interpolate bilinear align_corners" | "interpolate bicubic align_corners" => {
+            let mode = match name.starts_with("interpolate bilinear") {
+                true => InterpolateMode::Bilinear,
+                false => InterpolateMode::Bicubic,
+            };
+            let options = InterpolateOptions::new(mode).with_align_corners(true);
+            flat(interpolate(a.reshape([1, 1, 8, 8]), [11, 5], options))
+        }
+        "adaptive_avg_pool2d 4x4 to 6x3" => flat(adaptive_avg_pool2d(image(a), [6, 3])),
+        "max_pool2d_with_indices" => {
+            flat(max_pool2d_with_indices(image(a), [3, 2], [1, 1], [1, 0], [1, 1], true).0)
+        }
+        "attention masked" => {
+            let mask: Vec<bool> = (0..32).map(|i| i % 5 == 1).collect();
+            let mask =
+                Tensor::<B, 4, Bool>::from_data(TensorData::new(mask, [1, 2, 4, 4]), &device);
+            let options = AttentionModuleOptions {
+                scale: None,
+                softcap: None,
+                is_causal: false,
+            };
+            flat(attention(
+                heads(a),
+                heads(b.clone()),
+                heads(b),
+                Some(mask),
+                None,
+                options,
+            ))
+        }
+        "ctc_loss batch of two" => {
+            let log_probs = log_softmax(a.reshape([8, 2, 4]), 2);
+            let targets = ints::<B, 2>(&[1, 2, 2, 3, 1, 0], [2, 3], &device);
+            let input_lengths = ints::<B, 1>(&[8, 6], [2], &device);
+            let target_lengths = ints::<B, 1>(&[3, 2], [2], &device);
+            let weights = b.slice([0..1, 0..2]).reshape([2]);
+            flat(ctc_loss(log_probs, targets, input_lengths, target_lengths, 0) * weights)
+        }
+        "deform_conv2d grouped" => {
+            let offset = b
+                .clone()
+                .slice([0..2, 0..8])
+                .reshape([1, 16, 1, 1])
+                .mul_scalar(0.7);
+            let weight = b.slice([2..4, 0..8]).reshape([4, 2, 2, 1]);
+            let options = DeformConvOptions::new([3, 3], [0, 1], [2, 1], 2, 4);
+            flat(deform_conv2d(image(a), offset, weight, None, None, options))
+        }
+        "grid_sample bilinear zeros align_corners" => {
+            let grid = b.reshape([1, 4, 8, 2]).tanh().mul_scalar(1.3);
+            let options =
+                GridSampleOptions::new(InterpolateMode::Bilinear).with_align_corners(true);
+            flat(image(a).grid_sample_2d(grid, options))
+        }
+        "slice_assign stepped" => {
+            let slices = [Slice::new(0, None, 2), Slice::new(1, Some(7), 3)];
+            flat(a.slice_assign(slices, b.slice([0..4, 0..2])))
+        }
+        "slice_fill" => flat(a.slice_fill([1..6, 2..3], 0.5) * b),
         other => unreachable!("no op {other}"),
     }
 }
@@ -381,7 +480,7 @@ impl Loss for Op {
     /// rounding; `spectral.rs` holds both transforms to an f64 DFT.)
     fn tolerance(&self) -> (f64, f64) {
         match self.0 {
-            "deform_conv2d with mask" | "rfft" => (1e-6, 1e-5),
+            name if name.starts_with("deform_conv2d") || name == "rfft" => (1e-6, 1e-5),
             _ => (1e-8, 1e-6),
         }
     }
