@@ -9,6 +9,9 @@
 //! explains (their gap does not double with the step) and that element is left out; a check
 //! that leaves out more than an eighth of a leaf fails.
 //!
+//! From f32 leaves under autocast, the same truth checks the policy: what it keeps in f32
+//! backpropagates in f32, what it lowers within half precision's rounding.
+//!
 //! `ops.rs`: 101 float ops of Burn 0.21 one by one (unary, binary with broadcasting,
 //! reductions, scans, sorting, shape and indexing ops, every module op); the random graphs
 //! (`random_graphs/gradients.rs`): compositions.
@@ -46,11 +49,13 @@ pub(crate) enum Plain {
     Panics(String),
 }
 
-fn leaves<B: Backend>(data: &[(Vec<f64>, [usize; 2])], device: &B::Device) -> Vec<Tensor<B, 2>> {
+fn leaves<B: Backend>(
+    data: &[(Vec<f64>, [usize; 2])],
+    device: &B::Device,
+    dtype: DType,
+) -> Vec<Tensor<B, 2>> {
     data.iter()
-        .map(|(v, shape)| {
-            Tensor::from_data(TensorData::new(v.clone(), *shape), (device, DType::F64))
-        })
+        .map(|(v, shape)| Tensor::from_data(TensorData::new(v.clone(), *shape), (device, dtype)))
         .collect()
 }
 
@@ -58,13 +63,14 @@ fn scalar<B: Backend>(t: Tensor<B, 1>) -> f64 {
     t.into_data().to_vec::<f64>().expect("f64")[0]
 }
 
-/// Each tracked leaf's gradient on `B` (zeros where it gets none).
+/// Each tracked leaf's gradient on `B`, from leaves of `dtype` (zeros where it gets none).
 fn differentiated<B: AutodiffBackend, L: Loss>(
     l: &L,
     data: &[(Vec<f64>, [usize; 2])],
+    dtype: DType,
 ) -> Vec<Vec<f64>> {
     let device = Default::default();
-    let mut leaves = leaves::<B>(data, &device);
+    let mut leaves = leaves::<B>(data, &device, dtype);
     for leaf in &mut leaves[..l.tracked()] {
         *leaf = leaf.clone().require_grad();
     }
@@ -72,7 +78,7 @@ fn differentiated<B: AutodiffBackend, L: Loss>(
     leaves[..l.tracked()]
         .iter()
         .map(|leaf| match leaf.grad(&grads) {
-            Some(g) => g.into_data().to_vec::<f64>().expect("f64"),
+            Some(g) => g.cast(DType::F64).into_data().to_vec::<f64>().expect("f64"),
             None => vec![0.0; leaf.shape().num_elements()],
         })
         .collect()
@@ -87,8 +93,9 @@ fn differences<L: Loss>(l: &L, data: &[(Vec<f64>, [usize; 2])]) -> Vec<Vec<Optio
     // same values as Flex's elsewhere.
     let device = Default::default();
     let _g = autocast(Precision::F16);
-    let loss =
-        |data: &[(Vec<f64>, [usize; 2])]| scalar(l.loss(&leaves::<Amp<Flex>>(data, &device)));
+    let loss = |data: &[(Vec<f64>, [usize; 2])]| {
+        scalar(l.loss(&leaves::<Amp<Flex>>(data, &device, DType::F64)))
+    };
     let at_rest = loss(data);
     let mut moved = data.to_vec();
     let mut at = |leaf: usize, i: usize, step: f64| {
@@ -134,9 +141,32 @@ fn mismatch(want: &[Vec<Option<f64>>], got: &[Vec<f64>], (abs, rel): (f64, f64))
     None
 }
 
-/// `l` at `data`: `Amp`'s gradients as the differences say (else a panic naming `what`), and
-/// what plain autodiff makes of it. Returns how many elements were left out, and that.
-pub(crate) fn check<L: Loss>(l: &L, data: &[(Vec<f64>, [usize; 2])], what: &str) -> (usize, Plain) {
+/// ‖got − d‖₂ / ‖d‖₂ over the smooth elements of every leaf.
+fn relative_error(want: &[Vec<Option<f64>>], got: &[Vec<f64>]) -> f64 {
+    let (mut num, mut den) = (0.0, 0.0);
+    for (want, got) in want.iter().zip(got) {
+        for (d, g) in want.iter().zip(got) {
+            if let Some(d) = d {
+                num += (g - d).powi(2);
+                den += d * d;
+            }
+        }
+    }
+    (num / den.max(1e-300)).sqrt()
+}
+
+/// What a check found: how many elements were left out, what plain autodiff made of it, and
+/// `Amp`'s gradients from f32 leaves under autocast at F32, F16 and BF16, as their relative
+/// L2 error against the differences (the truth: the leaves' values are exact in bf16).
+pub(crate) struct Checked {
+    pub(crate) left_out: usize,
+    pub(crate) plain: Plain,
+    pub(crate) from_f32: [f64; 3],
+}
+
+/// `l` at `data`: `Amp`'s gradients in f64 as the differences say (else a panic naming
+/// `what`), and the rest of [`Checked`].
+pub(crate) fn check<L: Loss>(l: &L, data: &[(Vec<f64>, [usize; 2])], what: &str) -> Checked {
     let want = differences(l, data);
     let mut left_out = 0;
     for (leaf, want) in want.iter().enumerate() {
@@ -148,15 +178,17 @@ pub(crate) fn check<L: Loss>(l: &L, data: &[(Vec<f64>, [usize; 2])], what: &str)
         );
         left_out += want.len() - smooth;
     }
-    let amp = {
-        let _g = autocast(Precision::F16);
-        differentiated::<Amp<Autodiff<Flex>>, L>(l, data)
+    let amp = |precision, dtype| {
+        let _g = autocast(precision);
+        differentiated::<Amp<Autodiff<Flex>>, L>(l, data, dtype)
     };
-    if let Some(wrong) = mismatch(&want, &amp, l.tolerance()) {
+    if let Some(wrong) = mismatch(&want, &amp(Precision::F16, DType::F64), l.tolerance()) {
         panic!("{what} under Amp: {wrong}");
     }
+    let from_f32 = [Precision::F32, Precision::F16, Precision::Bf16]
+        .map(|precision| relative_error(&want, &amp(precision, DType::F32)));
     let plain = match catch_unwind(AssertUnwindSafe(|| {
-        differentiated::<Autodiff<Flex>, L>(l, data)
+        differentiated::<Autodiff<Flex>, L>(l, data, DType::F64)
     })) {
         Ok(got) => match mismatch(&want, &got, l.tolerance()) {
             Some(wrong) => Plain::Wrong(wrong),
@@ -164,5 +196,9 @@ pub(crate) fn check<L: Loss>(l: &L, data: &[(Vec<f64>, [usize; 2])], what: &str)
         },
         Err(e) => Plain::Panics(panic_message(e)),
     };
-    (left_out, plain)
+    Checked {
+        left_out,
+        plain,
+        from_f32,
+    }
 }

@@ -32,7 +32,7 @@ fn checked(case: &Case, what: &str) -> bool {
         .iter()
         .map(|leaf| (leaf.iter().map(|&v| v as f64).collect(), [8, 8]))
         .collect();
-    match check(case, &data, what).1 {
+    match check(case, &data, what).plain {
         Plain::Right => false,
         Plain::Wrong(_) => true,
         Plain::Panics(message) => panic!("{what}: plain autodiff panics: {message}"),
