@@ -9,8 +9,8 @@
 //!   reference, interpolation's backward against Flex's, picks broadcast by fused ops, average
 //!   pools' gradients (and whether plain Burn gets those wrong on this backend too), the
 //!   backward of `rfft`, `irfft` and `topk`, `gather_nd` and `scatter_nd` at repeated indices,
-//!   `grid_sample` in every mode, `repeat`'s gradient, ops on empty tensors (on CUDA, plain
-//!   Burn's refused launches);
+//!   `grid_sample` in every mode, `repeat`'s gradient, integer powers, ops on empty tensors
+//!   (on CUDA, plain Burn's refused launches);
 //! - random graphs, drawn while the time lasts: fused against unfused (f32, f16, bf16), Flex
 //!   against the unfused kernels (f32), and every saving of autocast on and off.
 //!
@@ -55,6 +55,8 @@ mod gradient_check;
 mod grid_sample;
 #[path = "../../tests/autocast_numerics/indexing.rs"]
 mod indexing;
+#[path = "../../tests/autocast_numerics/int_pow.rs"]
+mod int_pow;
 #[path = "../../tests/autocast_numerics/interpolate.rs"]
 mod interpolate;
 #[path = "../../tests/autocast_numerics/pooling.rs"]
@@ -252,6 +254,13 @@ pub fn run<T: Target>(
             }),
         ),
         (
+            "integer powers (Burn's go through a float pow, truncated)",
+            Box::new(|| {
+                int_pow::int_powers_are_exact::<F<T>>(device);
+                ok("bases -6..=6 to powers 0..=9, and element by element from -3 to 41: exact")
+            }),
+        ),
+        (
             "repeat's gradient (burn-autodiff sums a tiling as an interleaving)",
             Box::new(|| {
                 for &precision in lows {
@@ -322,6 +331,14 @@ pub fn run<T: Target>(
     });
     report.emit(json!({
         "kind": "info", "suite": "workarounds", "case": "plain Burn: avg_pool2d's gradient",
+        "detail": plain.detail, "error": plain.error, "ms": plain.ms,
+    }));
+    let plain = timed(|| {
+        let got = int_pow::plain_five_cubed::<F<T>>(device);
+        Ok(format!("plain {}: 5^3 = {got}", T::NAME))
+    });
+    report.emit(json!({
+        "kind": "info", "suite": "workarounds", "case": "plain Burn: an integer power",
         "detail": plain.detail, "error": plain.error, "ms": plain.ms,
     }));
     // Whether plain Burn's scatter_nd loses updates at a repeated index here too (a race:

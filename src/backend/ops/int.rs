@@ -47,9 +47,9 @@ impl<B: Backend> IntTensorOps<Self> for Amp<B> {
         fn int_lower_equal_elem(lhs: IntTensor<Self>, rhs: Scalar, out_dtype: BoolDType) -> BoolTensor<Self> => empty [int lhs] bool(out_dtype);
         fn int_add(lhs: IntTensor<Self>, rhs: IntTensor<Self>) -> IntTensor<Self> => empty [int lhs, int rhs] int(lhs.dtype().into());
         fn int_add_scalar(lhs: IntTensor<Self>, rhs: Scalar) -> IntTensor<Self> => empty [int lhs] int(lhs.dtype().into());
-        fn int_powi(lhs: IntTensor<Self>, rhs: IntTensor<Self>) -> IntTensor<Self> => empty [int lhs, int rhs] int(lhs.dtype().into());
-        fn int_powi_scalar(lhs: IntTensor<Self>, rhs: Scalar) -> IntTensor<Self> => empty [int lhs] int(lhs.dtype().into());
-        fn int_powi_scalar_impl(lhs: IntTensor<Self>, rhs: Scalar) -> IntTensor<Self> => empty [int lhs] int(lhs.dtype().into());
+        fn int_powi(lhs: IntTensor<Self>, rhs: IntTensor<Self>) -> IntTensor<Self> => via workarounds => empty [int lhs, int rhs] int(lhs.dtype().into());
+        fn int_powi_scalar(lhs: IntTensor<Self>, rhs: Scalar) -> IntTensor<Self> => via workarounds => empty [int lhs] int(lhs.dtype().into());
+        fn int_powi_scalar_impl(lhs: IntTensor<Self>, rhs: Scalar) -> IntTensor<Self> => via workarounds => empty [int lhs] int(lhs.dtype().into());
         fn int_clamp_min(tensor: IntTensor<Self>, min: Scalar) -> IntTensor<Self> => empty [int tensor] int(tensor.dtype().into());
         fn int_clamp_max(tensor: IntTensor<Self>, max: Scalar) -> IntTensor<Self> => empty [int tensor] int(tensor.dtype().into());
         fn int_clamp(tensor: IntTensor<Self>, min: Scalar, max: Scalar) -> IntTensor<Self> => empty [int tensor] int(tensor.dtype().into());

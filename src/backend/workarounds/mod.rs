@@ -44,6 +44,9 @@
 //! **burn-autodiff differentiates `repeat_dim` as an interleaving** where the forward tiles
 //! (every backend, a repeated dimension longer than 1): `Amp` repeats through a new
 //! dimension of 1, whose backward is right ([`repeat`]).
+//! **CubeCL's integer powers lose one** (`int_powi` goes through a float `pow` that lands
+//! below a whole power, then truncates: 5³ = 124 on wgpu): `Amp` multiplies, by squaring
+//! ([`int_pow`]).
 //! **`grid_sample_2d` is bilinear only** outside Flex (CubeCL panics on other modes,
 //! burn-autodiff's composition is bilinear only), Flex has no bicubic and rounds nearest's
 //! ties away from zero: `Amp` composes nearest and bicubic from gathers, as PyTorch samples
@@ -65,6 +68,7 @@ pub(crate) mod empty;
 mod fft;
 mod flex_views;
 mod grid_sample;
+mod int_pow;
 mod interpolate;
 mod nd;
 mod pooling;
@@ -95,6 +99,7 @@ pub(crate) use empty::{
     max_pool2d, max_pool2d_with_indices,
 };
 pub(crate) use fft::{irfft, rfft};
+pub(crate) use int_pow::{int_powi, int_powi_scalar, int_powi_scalar as int_powi_scalar_impl};
 pub(crate) use pooling::{avg_pool1d, avg_pool2d_backward};
 pub(crate) use products::float_cumprod;
 
