@@ -47,6 +47,7 @@ mod grid_sample;
 mod indexing;
 mod int_pow;
 mod interpolate;
+mod nan_propagation;
 mod pooling;
 mod probabilities;
 mod products;

@@ -70,6 +70,7 @@ mod flex_views;
 mod grid_sample;
 mod int_pow;
 mod interpolate;
+mod nan;
 mod nd;
 mod pooling;
 mod products;
@@ -100,6 +101,10 @@ pub(crate) use empty::{
 };
 pub(crate) use fft::{irfft, rfft};
 pub(crate) use int_pow::{int_powi, int_powi_scalar, int_powi_scalar as int_powi_scalar_impl};
+pub(crate) use nan::{
+    float_clamp, float_clamp_max, float_clamp_min, float_cummax, float_cummin, float_powf_scalar,
+    float_powf_scalar_impl, float_powi_scalar, float_powi_scalar_impl, hard_sigmoid, relu, sigmoid,
+};
 pub(crate) use pooling::{avg_pool1d, avg_pool2d_backward};
 pub(crate) use products::float_cumprod;
 

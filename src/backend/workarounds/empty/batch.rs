@@ -13,7 +13,7 @@ use burn_backend::tensor::{FloatTensor, IntTensor};
 use burn_backend::{Backend, TensorMetadata, get_device_settings};
 use burn_std::{MetadataError, Shape};
 
-use super::super::{grid_sample, interpolate as interpolated, pooling};
+use super::super::{grid_sample, interpolate as interpolated, nan, pooling};
 use super::ops::{empty_like, with_indices};
 use super::{Fill, constant, float_dtype, is_empty};
 
@@ -169,7 +169,7 @@ fn pooled_with_indices<B: Backend>(
 }
 
 macro_rules! max_pools {
-    ($($name:ident<$n:literal>($window:ty) -> $ret:ty = |$x:ident, $shape:ident| $empty:expr;)*) => {$(
+    ($($name:ident<$n:literal>($window:ty) -> $ret:ty = |$x:ident, $shape:ident| $empty:expr, |$pool:ident| $nan:expr;)*) => {$(
         pub(crate) fn $name<B: Backend>(
             x: FloatTensor<B>,
             kernel_size: $window,
@@ -192,21 +192,34 @@ macro_rules! max_pools {
                 let $x = x;
                 return $empty;
             }
-            B::$name(x, kernel_size, stride, padding, dilation, ceil_mode)
+            let $pool = |x| B::$name(x, kernel_size, stride, padding, dilation, ceil_mode);
+            let $x = x;
+            $nan
         }
     )*};
 }
 
+// A NaN in a window gives NaN (`nan`); the indices stay the backend's.
 max_pools! {
-    max_pool1d<1>(usize) -> FloatTensor<B> = |x, shape| empty_like::<B>(x, shape);
-    max_pool2d<2>([usize; 2]) -> FloatTensor<B> = |x, shape| empty_like::<B>(x, shape);
+    max_pool1d<1>(usize) -> FloatTensor<B> = |x, shape| empty_like::<B>(x, shape),
+        |pool| nan::pooled::<B>(&x, pool(x.clone()), pool);
+    max_pool2d<2>([usize; 2]) -> FloatTensor<B> = |x, shape| empty_like::<B>(x, shape),
+        |pool| nan::pooled::<B>(&x, pool(x.clone()), pool);
     max_pool1d_with_indices<1>(usize) -> MaxPool1dWithIndices<B> = |x, shape| {
         let (output, indices) = pooled_with_indices::<B>(x, shape);
         MaxPool1dWithIndices::new(output, indices)
+    }, |pool| {
+        let pooled = pool(x.clone());
+        let output = nan::pooled::<B>(&x, pooled.output, |x| pool(x).output);
+        MaxPool1dWithIndices::new(output, pooled.indices)
     };
     max_pool2d_with_indices<2>([usize; 2]) -> MaxPool2dWithIndices<B> = |x, shape| {
         let (output, indices) = pooled_with_indices::<B>(x, shape);
         MaxPool2dWithIndices::new(output, indices)
+    }, |pool| {
+        let pooled = pool(x.clone());
+        let output = nan::pooled::<B>(&x, pooled.output, |x| pool(x).output);
+        MaxPool2dWithIndices::new(output, pooled.indices)
     };
 }
 

@@ -10,7 +10,7 @@ use burn_backend::tensor::{BoolTensor, FloatTensor, IntTensor};
 use burn_backend::{Backend, TensorMetadata};
 use burn_std::{BoolDType, IntDType, Shape};
 
-use super::super::{flex_views, products};
+use super::super::{flex_views, nan, products};
 use super::ops::{empty_like, with_indices};
 use super::{Fill, constant, float_dtype};
 
@@ -153,9 +153,10 @@ pub(crate) fn float_prod_dim<B: Backend>(tensor: FloatTensor<B>, dim: usize) -> 
 macro_rules! float_extremes {
     ($($name:ident($($dim:ident)?) $op:literal;)*) => {$(
         pub(crate) fn $name<B: Backend>(tensor: FloatTensor<B>, $($dim: usize)?) -> FloatTensor<B> {
-            match without_identity(&tensor.shape(), None$(.or(Some($dim)))?, $op) {
+            let dim = None$(.or(Some($dim)))?;
+            match without_identity(&tensor.shape(), dim, $op) {
                 Some(out) => empty_like::<B>(tensor, out),
-                None => B::$name(tensor, $($dim)?),
+                None => nan::reduced::<B>(tensor, dim, |t| B::$name(t, $($dim)?)),
             }
         }
     )*};
@@ -180,7 +181,11 @@ macro_rules! float_extremes_with_indices {
         ) -> (FloatTensor<B>, IntTensor<B>) {
             match without_identity(&tensor.shape(), Some(dim), $op) {
                 Some(out) => with_indices::<B>(tensor, out, indices_dtype),
-                None => B::$name(tensor, dim, indices_dtype),
+                None => {
+                    let (values, indices) = B::$name(tensor.clone(), dim, indices_dtype);
+                    let indices = nan::indices::<B>(&tensor, dim, indices, indices_dtype);
+                    (nan::reduced::<B>(tensor, Some(dim), |_| values), indices)
+                }
             }
         }
     )*};
@@ -201,7 +206,10 @@ macro_rules! float_arg_extremes {
         ) -> IntTensor<B> {
             match without_identity(&tensor.shape(), Some(dim), $op) {
                 Some(out) => B::int_empty(out, &B::float_device(&tensor), out_dtype),
-                None => B::$name(tensor, dim, out_dtype),
+                None => {
+                    let indices = B::$name(tensor.clone(), dim, out_dtype);
+                    nan::indices::<B>(&tensor, dim, indices, out_dtype)
+                }
             }
         }
     )*};
