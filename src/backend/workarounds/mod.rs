@@ -47,6 +47,9 @@
 //! **CubeCL's integer powers lose one** (`int_powi` goes through a float `pow` that lands
 //! below a whole power, then truncates: 5³ = 124 on wgpu): `Amp` multiplies, by squaring
 //! ([`int_pow`]).
+//! **A NaN turned into a number** by Flex's `relu`, clamps and max pools, by CubeCL's
+//! `sigmoid`, `clamp`, maxima, max pools, `cummax` and powers (hidden from the loss scaler):
+//! `Amp` puts it back into the op's value ([`nan`]).
 //! **`grid_sample_2d` is bilinear only** outside Flex (CubeCL panics on other modes,
 //! burn-autodiff's composition is bilinear only), Flex has no bicubic and rounds nearest's
 //! ties away from zero: `Amp` composes nearest and bicubic from gathers, as PyTorch samples
