@@ -9,8 +9,8 @@
 //!   reference, interpolation's backward against Flex's, picks broadcast by fused ops, average
 //!   pools' gradients (and whether plain Burn gets those wrong on this backend too), the
 //!   backward of `rfft`, `irfft` and `topk`, `gather_nd` and `scatter_nd` at repeated indices,
-//!   `grid_sample` in every mode, `repeat`'s gradient, integer powers, ops on empty tensors
-//!   (on CUDA, plain Burn's refused launches);
+//!   `grid_sample` in every mode, `repeat`'s gradient, integer powers, NaN propagation, ops
+//!   on empty tensors (on CUDA, plain Burn's refused launches);
 //! - random graphs, drawn while the time lasts: fused against unfused (f32, f16, bf16), Flex
 //!   against the unfused kernels (f32), and every saving of autocast on and off.
 //!
@@ -59,6 +59,8 @@ mod indexing;
 mod int_pow;
 #[path = "../../tests/autocast_numerics/interpolate.rs"]
 mod interpolate;
+#[path = "../../tests/autocast_numerics/nan_propagation.rs"]
+mod nan_propagation;
 #[path = "../../tests/autocast_numerics/pooling.rs"]
 mod pooling;
 #[path = "../../tests/autocast_numerics/products.rs"]
@@ -261,6 +263,17 @@ pub fn run<T: Target>(
             }),
         ),
         (
+            "NaN propagation (Burn's kernels turn a NaN into a number in some ops)",
+            Box::new(|| {
+                let _g = burn_amp::autocast(Precision::F16);
+                let hidden = nan_propagation::nan_hidden_by::<Amp<F<T>>>(device);
+                match hidden.is_empty() {
+                    true => ok("12 ops on a row holding a NaN: none hides it under Amp"),
+                    false => Err(format!("under Amp, a NaN is hidden by {hidden:?}")),
+                }
+            }),
+        ),
+        (
             "repeat's gradient (burn-autodiff sums a tiling as an interleaving)",
             Box::new(|| {
                 for &precision in lows {
@@ -339,6 +352,17 @@ pub fn run<T: Target>(
     });
     report.emit(json!({
         "kind": "info", "suite": "workarounds", "case": "plain Burn: an integer power",
+        "detail": plain.detail, "error": plain.error, "ms": plain.ms,
+    }));
+    let plain = timed(|| {
+        let hidden = nan_propagation::nan_hidden_by::<F<T>>(device);
+        Ok(format!(
+            "plain {} turns a NaN into a number in {hidden:?}",
+            T::NAME
+        ))
+    });
+    report.emit(json!({
+        "kind": "info", "suite": "workarounds", "case": "plain Burn: NaN propagation",
         "detail": plain.detail, "error": plain.error, "ms": plain.ms,
     }));
     // Whether plain Burn's scatter_nd loses updates at a repeated index here too (a race:
