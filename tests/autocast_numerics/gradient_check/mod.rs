@@ -2,12 +2,13 @@
 //! and settings cannot make. A backward formula wrong the same way everywhere (burn-autodiff's,
 //! shared by every backend, or one of `Amp`'s own nodes) passes every such comparison. Here a
 //! loss runs on Flex in f64 (which `Amp` never lowers, so its nodes run in f64 too), and each
-//! tracked leaf's gradient under `Autodiff<Flex>` and under `Amp<Autodiff<Flex>>` is held to
+//! tracked leaf's gradient under `Autodiff<Flex>` and under `Amp<Autodiff<Flex>>` (and
+//! `Autodiff<Amp<Flex>>`, wherever plain autodiff is right) is held to
 //! `(L(x + h eᵢ) − L(x − h eᵢ)) / 2h` of the forward, element by element: within
-//! 1e-8 + 1e-6 |d| (but where the op itself computes in f32). Where the loss has a kink or a jump within reach of `h` (a ReLU at 0, a
-//! sort at a tie, a floor), the one-sided differences disagree by more than curvature
-//! explains (their gap does not double with the step) and that element is left out; a check
-//! that leaves out more than an eighth of a leaf fails.
+//! 1e-8 + 1e-6 |d| (looser where Flex computes in f32 inside). Where the loss has a kink or a
+//! jump within reach of `h` (a ReLU at 0, a sort at a tie, a floor), the one-sided differences
+//! disagree by more than curvature explains (their gap does not double with the step) and
+//! that element is left out; a check that leaves out more than an eighth of a leaf fails.
 //!
 //! From f32 leaves under autocast, the same truth checks the policy: what it keeps in f32
 //! backpropagates in f32, what it lowers within half precision's rounding.
@@ -187,15 +188,25 @@ pub(crate) fn check<L: Loss>(l: &L, data: &[(Vec<f64>, [usize; 2])], what: &str)
     }
     let from_f32 = [Precision::F32, Precision::F16, Precision::Bf16]
         .map(|precision| relative_error(&want, &amp(precision, DType::F32)));
-    let plain = match catch_unwind(AssertUnwindSafe(|| {
-        differentiated::<Autodiff<Flex>, L>(l, data, DType::F64)
-    })) {
+    let judged = |run: &dyn Fn() -> Vec<Vec<f64>>| match catch_unwind(AssertUnwindSafe(run)) {
         Ok(got) => match mismatch(&want, &got, l.tolerance()) {
             Some(wrong) => Plain::Wrong(wrong),
             None => Plain::Right,
         },
         Err(e) => Plain::Panics(panic_message(e)),
     };
+    let plain = judged(&|| differentiated::<Autodiff<Flex>, L>(l, data, DType::F64));
+    // `Amp` below autodiff: burn-autodiff's nodes (and defects), `Amp` under them.
+    let below = judged(&|| {
+        let _g = autocast(Precision::F16);
+        differentiated::<Autodiff<Amp<Flex>>, L>(l, data, DType::F64)
+    });
+    if matches!(plain, Plain::Right) {
+        assert!(
+            matches!(below, Plain::Right),
+            "{what} under Autodiff<Amp<Flex>>, right under plain autodiff: {below:?}"
+        );
+    }
     Checked {
         left_out,
         plain,
