@@ -206,7 +206,7 @@ impl<B: Backend> Sampling<B> {
         // 1 on the image, 0 off it, and a zero gradient for the grid (PyTorch's for nearest).
         let weight = B::float_mask_fill(self.x.clone(), inside.clone(), Scalar::Float(1.0));
         let weight = B::float_mask_fill(weight, B::bool_not(inside.clone()), Scalar::Float(0.0));
-        B::float_mul(self.gathered(x, y, inside), self.per_plane(weight))
+        B::float_mul(self.gathered(x, y, inside), per_plane::<B>(weight))
     }
 
     /// PyTorch's bicubic: 4 × 4 taps around the floor of the unnormalized coordinate, each
@@ -238,7 +238,7 @@ impl<B: Backend> Sampling<B> {
                 let inside = B::bool_and(x_inside.clone(), y_inside.clone());
                 let values = self.gathered(x.clone(), y.clone(), inside);
                 let weight = B::float_mul(x_weight.clone(), y_weight.clone());
-                let term = B::float_mul(values, self.per_plane(weight));
+                let term = B::float_mul(values, per_plane::<B>(weight));
                 sum = Some(match sum {
                     Some(sum) => B::float_add(sum, term),
                     None => term,
@@ -272,12 +272,12 @@ impl<B: Backend> Sampling<B> {
         );
         super::float_gather::<B>(2, self.planes.clone(), index)
     }
+}
 
-    /// A per-pixel `[n, p]` weight as `[n, 1, p]`, to scale every plane.
-    fn per_plane(&self, weight: FloatTensor<B>) -> FloatTensor<B> {
-        let [n, p] = weight.shape().dims();
-        B::float_reshape(weight, Shape::from(vec![n, 1, p]))
-    }
+/// A per-pixel `[n, p]` weight as `[n, 1, p]`, to scale every plane.
+fn per_plane<B: Backend>(weight: FloatTensor<B>) -> FloatTensor<B> {
+    let [n, p] = weight.shape().dims();
+    B::float_reshape(weight, Shape::from(vec![n, 1, p]))
 }
 
 /// The cubic convolution weights of the taps at -1, 0, 1, 2 from the floor, for a fraction

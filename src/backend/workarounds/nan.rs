@@ -78,6 +78,31 @@ pub(crate) fn indices<B: Backend>(
 ) -> IntTensor<B> {
     let at = nan_at::<B>(x);
     let any = B::bool_any_dim(at.clone(), dim);
+    first_nan::<B>(at, any, dim, indices, dtype)
+}
+
+/// A maximum or minimum along `dim` with its indices: NaN, and the first NaN's index, where a
+/// row holds one (one NaN mask for both).
+pub(crate) fn with_indices<B: Backend>(
+    x: &FloatTensor<B>,
+    dim: usize,
+    (values, indices): (FloatTensor<B>, IntTensor<B>),
+    dtype: IntDType,
+) -> (FloatTensor<B>, IntTensor<B>) {
+    let at = nan_at::<B>(x);
+    let any = B::bool_any_dim(at.clone(), dim);
+    let indices = first_nan::<B>(at, any.clone(), dim, indices, dtype);
+    (with_nan::<B>(values, any), indices)
+}
+
+/// `indices`, but the index of the first NaN (`at`) along `dim` in the rows that hold one.
+fn first_nan<B: Backend>(
+    at: BoolTensor<B>,
+    any: BoolTensor<B>,
+    dim: usize,
+    indices: IntTensor<B>,
+    dtype: IntDType,
+) -> IntTensor<B> {
     // An argmax's dtype is the backend's choice (Flex: i32 for an i64 input).
     let first = B::int_argmax(B::bool_into_int(at, dtype), dim);
     let first = match first.dtype() == indices.dtype() {
@@ -87,7 +112,8 @@ pub(crate) fn indices<B: Backend>(
     B::int_mask_where(indices, any, first)
 }
 
-/// `out`, a max pool of `x` (`pool` pools the same way): NaN where a window holds one.
+/// `out`, a max pool of `x` (`pool` pools the same way, without indices): NaN where a window
+/// holds one.
 pub(crate) fn pooled<B: Backend>(
     x: &FloatTensor<B>,
     out: FloatTensor<B>,

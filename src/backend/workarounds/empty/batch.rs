@@ -168,8 +168,12 @@ fn pooled_with_indices<B: Backend>(
     with_indices::<B>(x, shape, dtype)
 }
 
+/// Max pools: an empty result made here; else the backend's pool, with a NaN wherever a window
+/// holds one (`nan`; `$plain` pools the NaN mask, without indices). The indices stay the
+/// backend's.
 macro_rules! max_pools {
-    ($($name:ident<$n:literal>($window:ty) -> $ret:ty = |$x:ident, $shape:ident| $empty:expr, |$pool:ident| $nan:expr;)*) => {$(
+    ($($name:ident<$n:literal>($window:ty) by $plain:ident -> $ret:ty
+        = |$x:ident, $shape:ident| $empty:expr, |$pooled:ident, $nan:ident| $out:expr;)*) => {$(
         pub(crate) fn $name<B: Backend>(
             x: FloatTensor<B>,
             kernel_size: $window,
@@ -192,35 +196,30 @@ macro_rules! max_pools {
                 let $x = x;
                 return $empty;
             }
-            let $pool = |x| B::$name(x, kernel_size, stride, padding, dilation, ceil_mode);
-            let $x = x;
-            $nan
+            let $pooled = B::$name(x.clone(), kernel_size, stride, padding, dilation, ceil_mode);
+            let $nan = |output| {
+                nan::pooled::<B>(&x, output, |mask| {
+                    B::$plain(mask, kernel_size, stride, padding, dilation, ceil_mode)
+                })
+            };
+            $out
         }
     )*};
 }
 
-// A NaN in a window gives NaN (`nan`); the indices stay the backend's.
 max_pools! {
-    max_pool1d<1>(usize) -> FloatTensor<B> = |x, shape| empty_like::<B>(x, shape),
-        |pool| nan::pooled::<B>(&x, pool(x.clone()), pool);
-    max_pool2d<2>([usize; 2]) -> FloatTensor<B> = |x, shape| empty_like::<B>(x, shape),
-        |pool| nan::pooled::<B>(&x, pool(x.clone()), pool);
-    max_pool1d_with_indices<1>(usize) -> MaxPool1dWithIndices<B> = |x, shape| {
+    max_pool1d<1>(usize) by max_pool1d -> FloatTensor<B> = |x, shape| empty_like::<B>(x, shape),
+        |pooled, with_nan| with_nan(pooled);
+    max_pool2d<2>([usize; 2]) by max_pool2d -> FloatTensor<B>
+        = |x, shape| empty_like::<B>(x, shape), |pooled, with_nan| with_nan(pooled);
+    max_pool1d_with_indices<1>(usize) by max_pool1d -> MaxPool1dWithIndices<B> = |x, shape| {
         let (output, indices) = pooled_with_indices::<B>(x, shape);
         MaxPool1dWithIndices::new(output, indices)
-    }, |pool| {
-        let pooled = pool(x.clone());
-        let output = nan::pooled::<B>(&x, pooled.output, |x| pool(x).output);
-        MaxPool1dWithIndices::new(output, pooled.indices)
-    };
-    max_pool2d_with_indices<2>([usize; 2]) -> MaxPool2dWithIndices<B> = |x, shape| {
+    }, |pooled, with_nan| MaxPool1dWithIndices::new(with_nan(pooled.output), pooled.indices);
+    max_pool2d_with_indices<2>([usize; 2]) by max_pool2d -> MaxPool2dWithIndices<B> = |x, shape| {
         let (output, indices) = pooled_with_indices::<B>(x, shape);
         MaxPool2dWithIndices::new(output, indices)
-    }, |pool| {
-        let pooled = pool(x.clone());
-        let output = nan::pooled::<B>(&x, pooled.output, |x| pool(x).output);
-        MaxPool2dWithIndices::new(output, pooled.indices)
-    };
+    }, |pooled, with_nan| MaxPool2dWithIndices::new(with_nan(pooled.output), pooled.indices);
 }
 
 pub(crate) fn adaptive_avg_pool1d<B: Backend>(

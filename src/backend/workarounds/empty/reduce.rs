@@ -182,9 +182,8 @@ macro_rules! float_extremes_with_indices {
             match without_identity(&tensor.shape(), Some(dim), $op) {
                 Some(out) => with_indices::<B>(tensor, out, indices_dtype),
                 None => {
-                    let (values, indices) = B::$name(tensor.clone(), dim, indices_dtype);
-                    let indices = nan::indices::<B>(&tensor, dim, indices, indices_dtype);
-                    (nan::reduced::<B>(tensor, Some(dim), |_| values), indices)
+                    let extremes = B::$name(tensor.clone(), dim, indices_dtype);
+                    nan::with_indices::<B>(&tensor, dim, extremes, indices_dtype)
                 }
             }
         }
