@@ -83,7 +83,7 @@ impl<B: Backend> FloatTensorOps<Self> for Amp<B> {
         fn float_exp(tensor: FloatTensor<Self>) -> FloatTensor<Self> => [t tensor] via recompute;
         fn float_log(tensor: FloatTensor<Self>) -> FloatTensor<Self> => [t tensor] via recompute;
         fn float_log1p(tensor: FloatTensor<Self>) -> FloatTensor<Self> => [t tensor] via recompute;
-        fn float_powf(lhs: FloatTensor<Self>, rhs: FloatTensor<Self>) -> FloatTensor<Self> => [t lhs, t rhs] via recompute;
+        fn float_powf(lhs: FloatTensor<Self>, rhs: FloatTensor<Self>) -> FloatTensor<Self> => [t lhs, t rhs] via workarounds;
         fn float_powi(lhs: FloatTensor<Self>, rhs: IntTensor<Self>) -> FloatTensor<Self> => [t lhs];
         fn float_powi_scalar(lhs: FloatTensor<Self>, rhs: Scalar) -> FloatTensor<Self> => [t lhs, s rhs] via workarounds;
         fn float_powi_scalar_impl(lhs: FloatTensor<Self>, rhs: Scalar) -> FloatTensor<Self> => [t lhs, s rhs] via workarounds;
@@ -103,7 +103,7 @@ impl<B: Backend> FloatTensorOps<Self> for Amp<B> {
         fn float_asinh(tensor: FloatTensor<Self>) -> FloatTensor<Self> => [t tensor] via recompute;
         fn float_atan(tensor: FloatTensor<Self>) -> FloatTensor<Self> => [t tensor] via recompute;
         fn float_atanh(tensor: FloatTensor<Self>) -> FloatTensor<Self> => [t tensor] via recompute;
-        fn float_atan2(lhs: FloatTensor<Self>, rhs: FloatTensor<Self>) -> FloatTensor<Self> => [t lhs, t rhs] via recompute;
+        fn float_atan2(lhs: FloatTensor<Self>, rhs: FloatTensor<Self>) -> FloatTensor<Self> => [t lhs, t rhs] via workarounds;
         fn float_round(tensor: FloatTensor<Self>) -> FloatTensor<Self> => [t tensor];
         fn float_floor(tensor: FloatTensor<Self>) -> FloatTensor<Self> => [t tensor];
         fn float_ceil(tensor: FloatTensor<Self>) -> FloatTensor<Self> => [t tensor];

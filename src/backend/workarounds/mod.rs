@@ -47,9 +47,10 @@
 //! **CubeCL's integer powers lose one** (`int_powi` goes through a float `pow` that lands
 //! below a whole power, then truncates: 5³ = 124 on wgpu): `Amp` multiplies, by squaring
 //! ([`int_pow`]).
-//! **A NaN turned into a number** by Flex's `relu`, clamps and max pools, by CubeCL's
-//! `sigmoid`, `clamp`, maxima, max pools, `cummax` and powers (hidden from the loss scaler):
-//! `Amp` puts it back into the op's value ([`nan`]).
+//! **A NaN turned into a number** by Flex's `relu`, clamps, maxima and max pools, by CubeCL's
+//! `sigmoid`, `clamp`, maxima, max pools, scans, powers, `atan2` and `topk` (hidden from the
+//! loss scaler): `Amp` puts it back into the op's value, and ranks it first for a top-k
+//! ([`nan`]).
 //! **`grid_sample_2d` is bilinear only** outside Flex (CubeCL panics on other modes,
 //! burn-autodiff's composition is bilinear only), Flex has no bicubic and rounds nearest's
 //! ties away from zero: `Amp` composes nearest and bicubic from gathers, as PyTorch samples
@@ -105,8 +106,9 @@ pub(crate) use empty::{
 pub(crate) use fft::{irfft, rfft};
 pub(crate) use int_pow::{int_powi, int_powi_scalar, int_powi_scalar as int_powi_scalar_impl};
 pub(crate) use nan::{
-    float_clamp, float_clamp_max, float_clamp_min, float_cummax, float_cummin, float_powf_scalar,
-    float_powf_scalar_impl, float_powi_scalar, float_powi_scalar_impl, hard_sigmoid, relu, sigmoid,
+    float_atan2, float_clamp, float_clamp_max, float_clamp_min, float_cummax, float_cummin,
+    float_powf, float_powf_scalar, float_powf_scalar_impl, float_powi_scalar,
+    float_powi_scalar_impl, hard_sigmoid, relu, sigmoid,
 };
 pub(crate) use pooling::{avg_pool1d, avg_pool2d_backward};
 pub(crate) use products::float_cumprod;
@@ -144,36 +146,31 @@ pub(crate) fn float_gather<B: Backend>(
     }
 }
 
-/// `B`'s top `k` values along `dim`; under autodiff, which has none (burn-autodiff 0.21:
-/// `unimplemented!("topk is not implemented for autodiff")`, so a router or a beam that takes
-/// top-k values cannot train), a gather at `B`'s top-k indices: the same values, in the same
-/// order, and gather's backward (the gradient goes to the picked elements).
+/// The top `k` values along `dim`: a gather at the top-k indices ([`float_argtopk_indices`]).
+/// burn-autodiff has no `topk` of floats (0.21: `unimplemented!("topk is not implemented for
+/// autodiff")`, so a router or a beam that takes top-k values cannot train); the gather has a
+/// backward (the gradient goes to the picked elements), and takes its values where the NaNs
+/// were ranked.
 pub(crate) fn float_topk_values<B: Backend>(
     tensor: FloatTensor<B>,
     dim: usize,
     k: usize,
 ) -> FloatTensor<B> {
-    let device = B::float_device(&tensor);
-    if !B::ad_enabled(&device) {
-        return B::float_topk(tensor, dim, k);
-    }
-    let indices = float_argtopk_indices::<B>(
-        tensor.clone(),
-        dim,
-        k,
-        get_device_settings::<B>(&device).int_dtype,
-    );
+    let dtype = get_device_settings::<B>(&B::float_device(&tensor)).int_dtype;
+    let indices = float_argtopk_indices::<B>(tensor.clone(), dim, k, dtype);
     float_gather::<B>(dim, tensor, indices)
 }
 
-/// `B`'s indices of the top `k` floats along `dim`. Flex 0.21 has no argtopk
-/// (`unimplemented!`, floats and ints alike): there, the first `k` of a descending argsort.
+/// The indices of the top `k` floats along `dim`, a NaN first (PyTorch's order; it ties with
+/// `+inf`, see [`nan::nan_ranked_first`]). Flex 0.21 has no argtopk (`unimplemented!`, floats
+/// and ints alike): there, the first `k` of a descending argsort.
 pub(crate) fn float_argtopk_indices<B: Backend>(
     tensor: FloatTensor<B>,
     dim: usize,
     k: usize,
     out_dtype: IntDType,
 ) -> IntTensor<B> {
+    let tensor = nan::nan_ranked_first::<B>(tensor);
     if on_flex::<B>() {
         first_k::<B>(B::float_argsort(tensor, dim, true, out_dtype), dim, k)
     } else {

@@ -1,13 +1,14 @@
 //! NaN propagation, PyTorch's: a NaN in gives a NaN out. Burn 0.21's kernels turn a NaN into
 //! a number in some ops, and not the same ones on every backend: Flex in `relu`, `clamp_min`,
-//! `clamp_max` and max pools (a NaN first in a window survives, one after a number does not);
+//! `clamp_max`, whole-tensor maxima and minima, and max pools (a NaN first in a window
+//! survives, one after a number does not);
 //! CubeCL (wgpu; CUDA runs the same kernels) in `sigmoid` and `hard_sigmoid` (0), `clamp`,
-//! maxima and minima along a dimension and their indices, max pools, `cummax`, and
-//! `powf_scalar` (0). A NaN hidden so leaves a broken forward with a finite loss and finite
-//! gradients: the loss scaler, whose skip relies on them going non-finite, applies the step,
-//! where PyTorch's skips it.
+//! maxima and minima and their indices, max pools, `cummax`, `cummin`, powers and `atan2`
+//! (0), and `topk` (PyTorch ranks a NaN above every number). A NaN hidden so leaves a broken
+//! forward with a finite loss and finite gradients: the loss scaler, whose skip relies on them
+//! going non-finite, applies the step, where PyTorch's skips it.
 //!
-//! `Amp` puts the NaN back into the op's value: where the input is NaN (elementwise), where a
+//! `Amp` puts the NaN back into the op's value: where an input is NaN (elementwise), where a
 //! window, a row or a prefix holds one (pools, reductions, scans), and an index of a NaN for
 //! `argmax`, `argmin` and the indices of a maximum or minimum. Under a listed autodiff backend
 //! the value is replaced inside the op's own tensor, so the graph is the one the op built:
@@ -31,19 +32,24 @@ fn nan_at<B: Backend>(x: &FloatTensor<B>) -> BoolTensor<B> {
 
 /// `out` with NaN where `at` (the same shape): its value only (see the module docs).
 fn with_nan<B: Backend>(out: FloatTensor<B>, at: BoolTensor<B>) -> FloatTensor<B> {
-    struct Fill<P, M>(P, M);
+    with_value::<B>(out, at, f64::NAN)
+}
+
+/// `out` with `value` where `at` (the same shape): its value only.
+fn with_value<B: Backend>(out: FloatTensor<B>, at: BoolTensor<B>, value: f64) -> FloatTensor<B> {
+    struct Fill<P, M>(P, M, f64);
     impl<P: 'static, M: 'static> Visit for Fill<P, M> {
         type Out = P;
         fn visit<X: Backend, C: CheckpointStrategy>(self) -> P {
             let mut out: AutodiffTensor<X> = moved(self.0);
             let at: BoolTensor<X> = moved(self.1);
-            out.primitive = X::float_mask_fill(out.primitive, at, Scalar::Float(f64::NAN));
+            out.primitive = X::float_mask_fill(out.primitive, at, Scalar::Float(self.2));
             moved(out)
         }
     }
-    match dispatch::<B, _>(Fill(out, at)) {
+    match dispatch::<B, _>(Fill(out, at, value)) {
         Ok(out) => out,
-        Err(Fill(out, at)) => B::float_mask_fill(out, at, Scalar::Float(f64::NAN)),
+        Err(Fill(out, at, value)) => B::float_mask_fill(out, at, Scalar::Float(value)),
     }
 }
 
@@ -167,6 +173,75 @@ pub(crate) fn float_clamp_min<B: Backend>(tensor: FloatTensor<B>, min: Scalar) -
 
 pub(crate) fn float_clamp_max<B: Backend>(tensor: FloatTensor<B>, max: Scalar) -> FloatTensor<B> {
     elementwise::<B>(tensor, |t| B::float_clamp_max(t, max))
+}
+
+/// Where either of two masks of a binary op is 1: `a` of the shape of its left input, `b` of
+/// its right, broadcast to its output's. Masks as floats (0 or 1), as products and sums
+/// broadcast on every backend.
+fn either<B: Backend>(
+    like: &FloatTensor<B>,
+    a: FloatTensor<B>,
+    b: FloatTensor<B>,
+) -> BoolTensor<B> {
+    let bools = get_device_settings::<B>(&B::float_device(like)).bool_dtype;
+    B::float_greater_elem(B::float_add(a, b), Scalar::Float(0.5), bools)
+}
+
+/// 1 where `mask`, else 0, in `like`'s dtype.
+fn ones_at<B: Backend>(like: &FloatTensor<B>, mask: BoolTensor<B>) -> FloatTensor<B> {
+    B::bool_into_float(mask, like.dtype().into())
+}
+
+/// `atan2(lhs, rhs)`: NaN where either is (CubeCL gives 0).
+pub(crate) fn float_atan2<B: Backend>(lhs: FloatTensor<B>, rhs: FloatTensor<B>) -> FloatTensor<B> {
+    let at = either::<B>(
+        &lhs,
+        ones_at::<B>(&lhs, nan_at::<B>(&lhs)),
+        ones_at::<B>(&lhs, nan_at::<B>(&rhs)),
+    );
+    with_nan::<B>(recompute::float_atan2::<B>(lhs, rhs), at)
+}
+
+/// `lhs` to the power `rhs`, IEEE's `pow` (and PyTorch's) where a NaN is in: NaN where `lhs`
+/// is, but 1 for the 0th power (CubeCL gives 0 for `NaN^0.5`); NaN where `rhs` is, but 1 for
+/// a base of 1 (CubeCL: NaN). Both fills only touch elements with a NaN input: on a backend
+/// `Amp` does not list, a fill is a tracked op whose gradient is 0 where it fills.
+pub(crate) fn float_powf<B: Backend>(lhs: FloatTensor<B>, rhs: FloatTensor<B>) -> FloatTensor<B> {
+    let bools = get_device_settings::<B>(&B::float_device(&lhs)).bool_dtype;
+    let is = |x: &FloatTensor<B>, value: f64| {
+        ones_at::<B>(
+            &lhs,
+            B::float_equal_elem(x.clone(), Scalar::Float(value), bools),
+        )
+    };
+    let (zeroth, of_one) = (is(&rhs, 0.0), is(&lhs, 1.0));
+    let (nan_base, nan_exponent) = (
+        ones_at::<B>(&lhs, nan_at::<B>(&lhs)),
+        ones_at::<B>(&lhs, nan_at::<B>(&rhs)),
+    );
+    // Broadcast products of the two sides' masks: `a · b` where both, `a - a · b` where `a`
+    // alone.
+    let both = |a: &FloatTensor<B>, b: &FloatTensor<B>| B::float_mul(a.clone(), b.clone());
+    let (nan_to_0th, one_to_nan) = (both(&nan_base, &zeroth), both(&of_one, &nan_exponent));
+    let at = either::<B>(
+        &lhs,
+        B::float_sub(nan_base, nan_to_0th.clone()),
+        B::float_sub(nan_exponent, one_to_nan.clone()),
+    );
+    let ones = either::<B>(&lhs, nan_to_0th, one_to_nan);
+    let out = with_nan::<B>(recompute::float_powf::<B>(lhs, rhs), at);
+    with_value::<B>(out, ones, 1.0)
+}
+
+/// `tensor` where it is a number, `+inf` where it is NaN: the order in which PyTorch ranks a
+/// NaN (above every number) for a top-k. CubeCL's top-k passes over a NaN (the row's top
+/// value of `[1, NaN, -2, 0.5]` comes out 0.5).
+/// Detached: only its ranking is used, and under autodiff a tracked fill would keep its mask
+/// for a backward that never comes.
+pub(crate) fn nan_ranked_first<B: Backend>(tensor: FloatTensor<B>) -> FloatTensor<B> {
+    let tensor = B::float_detach(tensor);
+    let at = nan_at::<B>(&tensor);
+    B::float_mask_fill(tensor, at, Scalar::Float(f64::INFINITY))
 }
 
 /// `op`, a power of `tensor` to `exponent`: NaN where `tensor` is, but for the 0th power (1,
