@@ -265,19 +265,29 @@ pub fn run<T: Target>(
         (
             "NaN propagation (Burn's kernels turn a NaN into a number in some ops)",
             Box::new(|| {
-                let checks = {
-                    let _g = burn_amp::autocast(Precision::F16);
-                    nan_propagation::nan_kept_by::<Amp<F<T>>>(device)
-                };
-                let hidden: Vec<_> = checks.iter().filter(|(_, kept)| !kept).collect();
-                if !hidden.is_empty() {
-                    return Err(format!("under Amp, a NaN is hidden by {hidden:?}"));
+                // An f32 input, and half ones (a lowered op's output).
+                let inputs = lows
+                    .iter()
+                    .map(|p| p.low_dtype().expect("a low precision").into());
+                let mut ops = 0;
+                for dtype in std::iter::once(DType::F32).chain(inputs) {
+                    let checks = {
+                        let _g = burn_amp::autocast(Precision::F16);
+                        nan_propagation::nan_kept_by::<Amp<F<T>>>(device, dtype)
+                    };
+                    let hidden: Vec<_> = checks.iter().filter(|(_, kept)| !kept).collect();
+                    if !hidden.is_empty() {
+                        return Err(format!(
+                            "under Amp, {dtype:?}: a NaN is hidden by {hidden:?}"
+                        ));
+                    }
+                    ops = checks.len();
                 }
                 nan_propagation::around_the_nans::<F<T>>(device);
                 ok(&format!(
-                    "{} ops on a row holding a NaN: none hides it under Amp; pow's IEEE \
-                     exceptions, atan2, top-k's NaN first with its index and gradient",
-                    checks.len()
+                    "{ops} ops on a row holding a NaN (f32 and half inputs): none hides it under \
+                     Amp; pow's IEEE exceptions, atan2, top-k's NaN first with its index and \
+                     gradient"
                 ))
             }),
         ),
@@ -363,7 +373,7 @@ pub fn run<T: Target>(
         "detail": plain.detail, "error": plain.error, "ms": plain.ms,
     }));
     let plain = timed(|| {
-        let hidden = nan_propagation::nan_hidden_by::<F<T>>(device);
+        let hidden = nan_propagation::nan_hidden_by::<F<T>>(device, DType::F32);
         Ok(format!(
             "plain {} turns a NaN into a number in {hidden:?}",
             T::NAME

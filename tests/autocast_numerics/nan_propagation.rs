@@ -13,30 +13,35 @@ use burn_amp::{Amp, autocast};
 
 use super::*;
 
-/// A row with a NaN and one without: `[[1, NaN, -2, 0.5], [3, -1, 0.25, 2]]`.
-fn input<B: Backend>(device: &B::Device) -> Tensor<B, 2> {
+/// A row with a NaN and one without: `[[1, NaN, -2, 0.5], [3, -1, 0.25, 2]]`, in `dtype`.
+fn input<B: Backend>(device: &B::Device, dtype: DType) -> Tensor<B, 2> {
     let values = vec![1.0f32, f32::NAN, -2.0, 0.5, 3.0, -1.0, 0.25, 2.0];
-    Tensor::from_data(TensorData::new(values, [2, 4]), device)
+    let x: Tensor<B, 2> = Tensor::from_data(TensorData::new(values, [2, 4]), device);
+    x.cast(dtype)
 }
 
-/// The ops (each NaN wherever PyTorch's is) that turn the NaN into a number on `B`.
-pub(crate) fn nan_hidden_by<B: Backend>(device: &B::Device) -> Vec<&'static str> {
-    nan_kept_by::<B>(device)
+/// The ops (each NaN wherever PyTorch's is) that turn the NaN into a number on `B`, the input
+/// in `dtype`.
+pub(crate) fn nan_hidden_by<B: Backend>(device: &B::Device, dtype: DType) -> Vec<&'static str> {
+    nan_kept_by::<B>(device, dtype)
         .into_iter()
         .filter(|(_, kept)| !kept)
         .map(|(op, _)| op)
         .collect()
 }
 
-/// Each op checked, and whether it keeps the NaN on `B`.
-pub(crate) fn nan_kept_by<B: Backend>(device: &B::Device) -> Vec<(&'static str, bool)> {
-    let x = input::<B>(device);
+/// Each op checked, and whether it keeps the NaN on `B`, the input in `dtype`.
+pub(crate) fn nan_kept_by<B: Backend>(
+    device: &B::Device,
+    dtype: DType,
+) -> Vec<(&'static str, bool)> {
+    let x = input::<B>(device, dtype);
     let nan_at = |t: Tensor<B, 2>, at: &[usize]| {
         let v = values(t);
         at.iter().all(|&i| v[i].is_nan())
     };
     let seq = |t: Tensor<B, 2>| t.reshape([1, 2, 4]);
-    let halves = Tensor::<B, 2>::full([2, 4], 0.5, device);
+    let halves = x.ones_like().mul_scalar(0.5);
     let checks = vec![
         ("relu", nan_at(relu(x.clone()), &[1])),
         ("sigmoid", nan_at(sigmoid(x.clone()), &[1])),
@@ -82,8 +87,9 @@ pub(crate) fn nan_kept_by<B: Backend>(device: &B::Device) -> Vec<(&'static str, 
     checks
 }
 
-/// What each backend hides in Burn 0.21, plain; nothing under `Amp` (at F16: these ops keep
-/// the f32 input's dtype or widen to f32), below or above autodiff.
+/// What each backend hides in Burn 0.21, plain; nothing under `Amp`, below or above
+/// autodiff, for an f32 input (at F16 these ops keep its dtype or widen to f32) and for a half
+/// one (an activation a lowered op made).
 #[test]
 fn where_nan_goes() {
     let flex = [
@@ -116,26 +122,46 @@ fn where_nan_goes() {
         "argmax",
     ];
     let none: [&str; 0] = [];
+    // An f32 input, and half ones (a lowered op's output): the same lists.
     let device = Default::default();
-    assert_eq!(nan_hidden_by::<Flex>(&device), flex, "plain Flex");
-    {
-        let _g = autocast(Precision::F16);
-        assert_eq!(nan_hidden_by::<Amp<Flex>>(&device), none, "Amp<Flex>");
+    for dtype in [DType::F32, DType::F16, DType::BF16] {
         assert_eq!(
-            nan_hidden_by::<Amp<Autodiff<Flex>>>(&device),
+            nan_hidden_by::<Flex>(&device, dtype),
+            flex,
+            "plain Flex, {dtype:?}"
+        );
+        let _g = autocast(Precision::F16);
+        assert_eq!(
+            nan_hidden_by::<Amp<Flex>>(&device, dtype),
             none,
-            "Amp<Autodiff<Flex>>"
+            "Amp<Flex>, {dtype:?}"
+        );
+        assert_eq!(
+            nan_hidden_by::<Amp<Autodiff<Flex>>>(&device, dtype),
+            none,
+            "Amp<Autodiff<Flex>>, {dtype:?}"
         );
     }
     if let Some(device) = common::wgpu_device() {
-        assert_eq!(nan_hidden_by::<Wgpu>(&device), cubecl, "plain wgpu");
-        let _g = autocast(Precision::F16);
-        assert_eq!(nan_hidden_by::<Amp<Wgpu>>(&device), none, "Amp<Wgpu>");
-        assert_eq!(
-            nan_hidden_by::<Amp<Autodiff<Wgpu>>>(&device),
-            none,
-            "Amp<Autodiff<Wgpu>>"
-        );
+        // WGSL has no bf16.
+        for dtype in [DType::F32, DType::F16] {
+            assert_eq!(
+                nan_hidden_by::<Wgpu>(&device, dtype),
+                cubecl,
+                "plain wgpu, {dtype:?}"
+            );
+            let _g = autocast(Precision::F16);
+            assert_eq!(
+                nan_hidden_by::<Amp<Wgpu>>(&device, dtype),
+                none,
+                "Amp<Wgpu>, {dtype:?}"
+            );
+            assert_eq!(
+                nan_hidden_by::<Amp<Autodiff<Wgpu>>>(&device, dtype),
+                none,
+                "Amp<Autodiff<Wgpu>>, {dtype:?}"
+            );
+        }
     }
 }
 
