@@ -12,7 +12,9 @@
 //! window, a row or a prefix holds one (pools, reductions, scans), and an index of a NaN for
 //! `argmax`, `argmin` and the indices of a maximum or minimum. Under a listed autodiff backend
 //! the value is replaced inside the op's own tensor, so the graph is the one the op built:
-//! nothing more kept, no node added, the same gradients. A few elementwise kernels more per op
+//! nothing more kept, no node added, the same gradients (under an autodiff backend `Amp` does
+//! not list, the fill is an op of its own, whose gradient is 0 where it fills: hence fills
+//! only where an input is NaN). A few elementwise kernels more per op
 //! (`is_nan`, a fill; fused on CubeCL), and an extra pool, reduction or scan of the NaN mask
 //! for those. The indices of a max pool (its backward's) stay the backend's.
 
