@@ -32,8 +32,8 @@
 //!
 //! **CubeCL has no backward for bilinear, bicubic or lanczos3 `interpolate`** (a panic):
 //! `Amp` builds the node on wgpu and CUDA, with a separable backward ([`interpolate`]).
-//! **burn-autodiff has no `topk` of floats** (a panic): under autodiff `Amp` gathers at the
-//! top-k indices ([`float_topk_values`]). **Flex has no `argtopk`** (a panic, floats and
+//! **burn-autodiff has no `topk` of floats** (a panic): `Amp` gathers at the top-k indices
+//! ([`float_topk_values`]), on every backend, so that a NaN ranks the same everywhere. **Flex has no `argtopk`** (a panic, floats and
 //! ints): `Amp` takes the first `k` of a descending argsort there ([`float_argtopk_indices`]).
 //! **burn-autodiff has no backward for `rfft` and `irfft`** (a `todo!` panic): `Amp` builds
 //! their nodes, each backward the other transform weighted per bin ([`fft`]). **CubeCL
