@@ -284,10 +284,11 @@ pub fn run<T: Target>(
                     ops = checks.len();
                 }
                 nan_propagation::around_the_nans::<F<T>>(device);
+                nan_propagation::log_sigmoid_at_minus_infinity::<F<T>>(device);
                 ok(&format!(
                     "{ops} ops on a row holding a NaN (f32 and half inputs): none hides it under \
                      Amp; pow's IEEE exceptions, atan2, top-k's NaN first with its index and \
-                     gradient"
+                     gradient; log_sigmoid(-inf) = -inf, gradient 1"
                 ))
             }),
         ),

@@ -21,10 +21,10 @@ impl<B: Backend> ActivationOps<Self> for Amp<B> {
         fn sigmoid(tensor: FloatTensor<Self>) -> FloatTensor<Self> => [t tensor] via workarounds;
         fn sigmoid_backward(output: FloatTensor<Self>, grad: FloatTensor<Self>) -> FloatTensor<Self> => [t output, t grad];
         fn hard_sigmoid(tensor: FloatTensor<Self>, alpha: Scalar, beta: Scalar) -> FloatTensor<Self> => [t tensor, s alpha, s beta] via workarounds;
-        fn log_sigmoid(tensor: FloatTensor<Self>) -> FloatTensor<Self> => [t tensor] via recompute;
+        fn log_sigmoid(tensor: FloatTensor<Self>) -> FloatTensor<Self> => [t tensor] via workarounds;
         fn softmax(tensor: FloatTensor<Self>, dim: usize) -> FloatTensor<Self> => [t tensor] via recompute;
         fn log_softmax(tensor: FloatTensor<Self>, dim: usize) -> FloatTensor<Self> => [t tensor] via recompute;
         fn softmin(tensor: FloatTensor<Self>, dim: usize) -> FloatTensor<Self> => [t tensor];
-        fn log_sigmoid_backward(x: FloatTensor<Self>, grad: FloatTensor<Self>) -> FloatTensor<Self> => [t x, t grad];
+        fn log_sigmoid_backward(x: FloatTensor<Self>, grad: FloatTensor<Self>) -> FloatTensor<Self> => [t x, t grad] via workarounds;
     }
 }

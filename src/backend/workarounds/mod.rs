@@ -31,7 +31,8 @@
 //! ([`products`]): the kernel's product, and a backward right at zeros.
 //!
 //! **CubeCL has no backward for bilinear, bicubic or lanczos3 `interpolate`** (a panic):
-//! `Amp` builds the node on wgpu and CUDA, with a separable backward ([`interpolate`]).
+//! `Amp` builds the node on wgpu and CUDA, with a separable backward
+//! ([`interpolate`](mod@interpolate)).
 //! **burn-autodiff has no `topk` of floats** (a panic): `Amp` gathers at the top-k indices
 //! ([`float_topk_values`]), on every backend, so that a NaN ranks the same everywhere. **Flex has no `argtopk`** (a panic, floats and
 //! ints): `Amp` takes the first `k` of a descending argsort there ([`float_argtopk_indices`]).
@@ -50,7 +51,8 @@
 //! **A NaN turned into a number** by Flex's `relu`, clamps, maxima and max pools, by CubeCL's
 //! `sigmoid`, `clamp`, maxima, max pools, scans, powers, `atan2` and `topk` (hidden from the
 //! loss scaler): `Amp` puts it back into the op's value, and ranks it first for a top-k
-//! ([`nan`]).
+//! ([`nan`]). **A NaN made from `-inf`** by Burn's default `log_sigmoid` (CubeCL's), value and
+//! gradient: `Amp` runs it on a finite stand-in there ([`nan::log_sigmoid`]).
 //! **`grid_sample_2d` is bilinear only** outside Flex (CubeCL panics on other modes,
 //! burn-autodiff's composition is bilinear only), Flex has no bicubic and rounds nearest's
 //! ties away from zero: `Amp` composes nearest and bicubic from gathers, as PyTorch samples
@@ -108,7 +110,7 @@ pub(crate) use int_pow::{int_powi, int_powi_scalar, int_powi_scalar as int_powi_
 pub(crate) use nan::{
     float_atan2, float_clamp, float_clamp_max, float_clamp_min, float_cummax, float_cummin,
     float_powf, float_powf_scalar, float_powf_scalar_impl, float_powi_scalar,
-    float_powi_scalar_impl, hard_sigmoid, relu, sigmoid,
+    float_powi_scalar_impl, hard_sigmoid, log_sigmoid, log_sigmoid_backward, relu, sigmoid,
 };
 pub(crate) use pooling::{avg_pool1d, avg_pool2d_backward};
 pub(crate) use products::float_cumprod;
