@@ -311,4 +311,23 @@ fn log_sigmoid_at_minus_infinity_wgpu() {
         value.is_nan() && grad.is_nan(),
         "plain wgpu: {value}, {grad}"
     );
+
+    // What is left: above autodiff, when another op keeps the same input for its backward
+    // (`x · c`, both tracked), burn-autodiff's checkpointer keeps one copy of `x`, the one
+    // holding `-inf`, and `log_sigmoid`'s gradient there stays NaN on CubeCL; below autodiff
+    // it is right. A canary: fails once that changes.
+    fn shared<A: burn::tensor::backend::AutodiffBackend>(device: &A::Device) -> Vec<f32> {
+        let x = Tensor::<A, 1>::from_floats([f32::NEG_INFINITY, 1.0], device).require_grad();
+        let c = Tensor::<A, 1>::from_floats([2.0, 3.0], device).require_grad();
+        let y = log_sigmoid(x.clone()) + x.clone() * c;
+        values(x.grad(&y.sum().backward()).expect("x's gradient"))
+    }
+    let _g = autocast(Precision::F16);
+    let above = shared::<Amp<Autodiff<Wgpu>>>(&device);
+    assert!(
+        above[0].is_nan() && (above[1] - 3.2689414).abs() < 1e-5,
+        "{above:?}"
+    );
+    let below = shared::<Autodiff<Amp<Wgpu>>>(&device);
+    assert!((below[0] - 3.0).abs() < 1e-6, "{below:?}");
 }

@@ -168,7 +168,10 @@ fn neg_inf_at<B: Backend>(x: &FloatTensor<B>) -> BoolTensor<B> {
 /// gradient (`exp(inf - inf)`): a `-inf` put in on purpose (a mask) then leaves a NaN gradient
 /// even where a `mask_where` drops the value, and every step is skipped. The op runs on a
 /// finite stand-in where the input is `-inf` (replaced in its value only, like the fills
-/// above), whose value is then set to `-inf`.
+/// above), whose value is then set to `-inf`. Above autodiff, the backward reads the input
+/// from burn-autodiff's checkpointer, which keeps one copy per node: where another op keeps
+/// the same input (`x · c`), that copy holds the `-inf`, and the gradient there stays NaN on
+/// CubeCL.
 pub(crate) fn log_sigmoid<B: Backend>(tensor: FloatTensor<B>) -> FloatTensor<B> {
     let at = neg_inf_at::<B>(&tensor);
     let finite = with_value::<B>(tensor, at.clone(), LOWEST_HALF);
