@@ -21,15 +21,36 @@
 use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
 use burn_backend::tensor::{BoolTensor, FloatTensor, IntTensor};
 use burn_backend::{Backend, Scalar, TensorMetadata, get_device_settings};
-use burn_std::IntDType;
+use burn_std::{BoolDType, IntDType};
 
 use crate::backend::concrete::{AutodiffTensor, Visit, dispatch, moved};
 use crate::backend::recompute;
 
+/// The bool dtype of `x`'s device.
+fn bools<B: Backend>(x: &FloatTensor<B>) -> BoolDType {
+    get_device_settings::<B>(&B::float_device(x)).bool_dtype
+}
+
 /// Where `x` is NaN.
 fn nan_at<B: Backend>(x: &FloatTensor<B>) -> BoolTensor<B> {
-    let bools = get_device_settings::<B>(&B::float_device(x)).bool_dtype;
-    B::float_is_nan(x.clone(), bools)
+    B::float_is_nan(x.clone(), bools::<B>(x))
+}
+
+/// Where `x` is `value`.
+fn equal_at<B: Backend>(x: &FloatTensor<B>, value: f64) -> BoolTensor<B> {
+    B::float_equal_elem(x.clone(), Scalar::Float(value), bools::<B>(x))
+}
+
+/// 1 where `mask`, else 0, in `like`'s dtype: a mask that pools, scans, sums and broadcasts
+/// as floats do.
+fn ones_at<B: Backend>(like: &FloatTensor<B>, mask: BoolTensor<B>) -> FloatTensor<B> {
+    B::bool_into_float(mask, like.dtype().into())
+}
+
+/// Where a pooled, scanned or summed count of such masks is at least 1.
+fn counted<B: Backend>(count: FloatTensor<B>) -> BoolTensor<B> {
+    let bools = bools::<B>(&count);
+    B::float_greater_elem(count, Scalar::Float(0.5), bools)
 }
 
 /// `out` with NaN where `at` (the same shape): its value only (see the module docs).
@@ -127,10 +148,8 @@ pub(crate) fn pooled<B: Backend>(
     out: FloatTensor<B>,
     pool: impl FnOnce(FloatTensor<B>) -> FloatTensor<B>,
 ) -> FloatTensor<B> {
-    let windows = pool(B::bool_into_float(nan_at::<B>(x), x.dtype().into()));
-    let bools = get_device_settings::<B>(&B::float_device(x)).bool_dtype;
-    let at = B::float_greater_elem(windows, Scalar::Float(0.5), bools);
-    with_nan::<B>(out, at)
+    let windows = pool(ones_at::<B>(x, nan_at::<B>(x)));
+    with_nan::<B>(out, counted::<B>(windows))
 }
 
 /// A scan along `dim`: NaN from the first NaN on.
@@ -139,10 +158,8 @@ fn scanned<B: Backend>(
     dim: usize,
     op: impl FnOnce(FloatTensor<B>) -> FloatTensor<B>,
 ) -> FloatTensor<B> {
-    let seen = B::float_cumsum(B::bool_into_float(nan_at::<B>(&x), x.dtype().into()), dim);
-    let bools = get_device_settings::<B>(&B::float_device(&x)).bool_dtype;
-    let at = B::float_greater_elem(seen, Scalar::Float(0.5), bools);
-    with_nan::<B>(op(x), at)
+    let seen = B::float_cumsum(ones_at::<B>(&x, nan_at::<B>(&x)), dim);
+    with_nan::<B>(op(x), counted::<B>(seen))
 }
 
 pub(crate) fn relu<B: Backend>(tensor: FloatTensor<B>) -> FloatTensor<B> {
@@ -157,12 +174,6 @@ pub(crate) fn sigmoid<B: Backend>(tensor: FloatTensor<B>) -> FloatTensor<B> {
 /// itself, its gradient 1, as at `-inf`.
 const LOWEST_HALF: f64 = -65504.0;
 
-/// Where `x` is `-inf`.
-fn neg_inf_at<B: Backend>(x: &FloatTensor<B>) -> BoolTensor<B> {
-    let bools = get_device_settings::<B>(&B::float_device(x)).bool_dtype;
-    B::float_equal_elem(x.clone(), Scalar::Float(f64::NEG_INFINITY), bools)
-}
-
 /// `log_sigmoid`, `-inf` at `-inf` with a gradient of 1 there (Flex's and PyTorch's). Burn's
 /// default composition, which CubeCL runs, makes a NaN there, of the value and of the
 /// gradient (`exp(inf - inf)`): a `-inf` put in on purpose (a mask) then leaves a NaN gradient
@@ -173,7 +184,7 @@ fn neg_inf_at<B: Backend>(x: &FloatTensor<B>) -> BoolTensor<B> {
 /// the same input (`x · c`), that copy holds the `-inf`, and the gradient there stays NaN on
 /// CubeCL.
 pub(crate) fn log_sigmoid<B: Backend>(tensor: FloatTensor<B>) -> FloatTensor<B> {
-    let at = neg_inf_at::<B>(&tensor);
+    let at = equal_at::<B>(&tensor, f64::NEG_INFINITY);
     let finite = with_value::<B>(tensor, at.clone(), LOWEST_HALF);
     with_value::<B>(recompute::log_sigmoid::<B>(finite), at, f64::NEG_INFINITY)
 }
@@ -184,7 +195,7 @@ pub(crate) fn log_sigmoid_backward<B: Backend>(
     x: FloatTensor<B>,
     grad: FloatTensor<B>,
 ) -> FloatTensor<B> {
-    let at = neg_inf_at::<B>(&x);
+    let at = equal_at::<B>(&x, f64::NEG_INFINITY);
     let x = B::float_mask_fill(x, at, Scalar::Float(LOWEST_HALF));
     B::log_sigmoid_backward(x, grad)
 }
@@ -213,27 +224,15 @@ pub(crate) fn float_clamp_max<B: Backend>(tensor: FloatTensor<B>, max: Scalar) -
     elementwise::<B>(tensor, |t| B::float_clamp_max(t, max))
 }
 
-/// Where either of two masks of a binary op is 1: `a` of the shape of its left input, `b` of
-/// its right, broadcast to its output's. Masks as floats (0 or 1), as products and sums
-/// broadcast on every backend.
-fn either<B: Backend>(
-    like: &FloatTensor<B>,
-    a: FloatTensor<B>,
-    b: FloatTensor<B>,
-) -> BoolTensor<B> {
-    let bools = get_device_settings::<B>(&B::float_device(like)).bool_dtype;
-    B::float_greater_elem(B::float_add(a, b), Scalar::Float(0.5), bools)
-}
-
-/// 1 where `mask`, else 0, in `like`'s dtype.
-fn ones_at<B: Backend>(like: &FloatTensor<B>, mask: BoolTensor<B>) -> FloatTensor<B> {
-    B::bool_into_float(mask, like.dtype().into())
+/// Where either of two masks of a binary op ([`ones_at`]) is 1: `a` of the shape of its left
+/// input, `b` of its right, broadcast to its output's.
+fn either<B: Backend>(a: FloatTensor<B>, b: FloatTensor<B>) -> BoolTensor<B> {
+    counted::<B>(B::float_add(a, b))
 }
 
 /// `atan2(lhs, rhs)`: NaN where either is (CubeCL gives 0).
 pub(crate) fn float_atan2<B: Backend>(lhs: FloatTensor<B>, rhs: FloatTensor<B>) -> FloatTensor<B> {
     let at = either::<B>(
-        &lhs,
         ones_at::<B>(&lhs, nan_at::<B>(&lhs)),
         ones_at::<B>(&lhs, nan_at::<B>(&rhs)),
     );
@@ -245,13 +244,7 @@ pub(crate) fn float_atan2<B: Backend>(lhs: FloatTensor<B>, rhs: FloatTensor<B>) 
 /// a base of 1 (CubeCL: NaN). Both fills only touch elements with a NaN input: on a backend
 /// `Amp` does not list, a fill is a tracked op whose gradient is 0 where it fills.
 pub(crate) fn float_powf<B: Backend>(lhs: FloatTensor<B>, rhs: FloatTensor<B>) -> FloatTensor<B> {
-    let bools = get_device_settings::<B>(&B::float_device(&lhs)).bool_dtype;
-    let is = |x: &FloatTensor<B>, value: f64| {
-        ones_at::<B>(
-            &lhs,
-            B::float_equal_elem(x.clone(), Scalar::Float(value), bools),
-        )
-    };
+    let is = |x: &FloatTensor<B>, value: f64| ones_at::<B>(&lhs, equal_at::<B>(x, value));
     let (zeroth, of_one) = (is(&rhs, 0.0), is(&lhs, 1.0));
     let (nan_base, nan_exponent) = (
         ones_at::<B>(&lhs, nan_at::<B>(&lhs)),
@@ -262,11 +255,10 @@ pub(crate) fn float_powf<B: Backend>(lhs: FloatTensor<B>, rhs: FloatTensor<B>) -
     let both = |a: &FloatTensor<B>, b: &FloatTensor<B>| B::float_mul(a.clone(), b.clone());
     let (nan_to_0th, one_to_nan) = (both(&nan_base, &zeroth), both(&of_one, &nan_exponent));
     let at = either::<B>(
-        &lhs,
         B::float_sub(nan_base, nan_to_0th.clone()),
         B::float_sub(nan_exponent, one_to_nan.clone()),
     );
-    let ones = either::<B>(&lhs, nan_to_0th, one_to_nan);
+    let ones = either::<B>(nan_to_0th, one_to_nan);
     let out = with_nan::<B>(recompute::float_powf::<B>(lhs, rhs), at);
     with_value::<B>(out, ones, 1.0)
 }
