@@ -288,7 +288,7 @@ pub fn run<T: Target>(
                 ok(&format!(
                     "{ops} ops on a row holding a NaN (f32 and half inputs): none hides it under \
                      Amp; pow's IEEE exceptions, atan2, top-k's NaN first with its index and \
-                     gradient; log_sigmoid(-inf) = -inf, gradient 1"
+                     gradient; log_sigmoid(-inf) = -inf, gradient 1 (also beside x · c)"
                 ))
             }),
         ),

@@ -121,7 +121,7 @@ pub fn set_enabled(enabled: bool) -> bool {
 
 /// Whether this thread recomputes now: on, and autocast lowers.
 #[inline]
-fn active() -> bool {
+pub(crate) fn active() -> bool {
     ENABLED.with(|e| e.get()) && crate::precision::thread_state().precision != Some(Precision::F32)
 }
 
@@ -220,7 +220,6 @@ recomputed_ops! {
     ActivationOps::relu(t tensor);
     ActivationOps::gelu(t tensor);
     ActivationOps::sigmoid(t tensor);
-    ActivationOps::log_sigmoid(t tensor);
 }
 
 /// `softmax` along `dim` as one node (see the module docs).

@@ -52,7 +52,7 @@
 //! `sigmoid`, `clamp`, maxima, max pools, scans, powers, `atan2` and `topk` (hidden from the
 //! loss scaler): `Amp` puts it back into the op's value, and ranks it first for a top-k
 //! ([`nan`]). **A NaN made from `-inf`** by Burn's default `log_sigmoid` (CubeCL's), value and
-//! gradient: `Amp` runs it on a finite stand-in there ([`nan::log_sigmoid`]).
+//! gradient: `Amp` runs it on a finite stand-in there, in a node of its own ([`log_sigmoid`](mod@log_sigmoid)).
 //! **`grid_sample_2d` is bilinear only** outside Flex (CubeCL panics on other modes,
 //! burn-autodiff's composition is bilinear only), Flex has no bicubic and rounds nearest's
 //! ties away from zero: `Amp` composes nearest and bicubic from gathers, as PyTorch samples
@@ -76,6 +76,7 @@ mod flex_views;
 mod grid_sample;
 mod int_pow;
 mod interpolate;
+mod log_sigmoid;
 mod nan;
 mod nd;
 mod pooling;
@@ -107,10 +108,11 @@ pub(crate) use empty::{
 };
 pub(crate) use fft::{irfft, rfft};
 pub(crate) use int_pow::{int_powi, int_powi_scalar, int_powi_scalar as int_powi_scalar_impl};
+pub(crate) use log_sigmoid::{log_sigmoid, log_sigmoid_backward};
 pub(crate) use nan::{
     float_atan2, float_clamp, float_clamp_max, float_clamp_min, float_cummax, float_cummin,
     float_powf, float_powf_scalar, float_powf_scalar_impl, float_powi_scalar,
-    float_powi_scalar_impl, hard_sigmoid, log_sigmoid, log_sigmoid_backward, relu, sigmoid,
+    float_powi_scalar_impl, hard_sigmoid, relu, sigmoid,
 };
 pub(crate) use pooling::{avg_pool1d, avg_pool2d_backward};
 pub(crate) use products::float_cumprod;

@@ -170,36 +170,6 @@ pub(crate) fn sigmoid<B: Backend>(tensor: FloatTensor<B>) -> FloatTensor<B> {
     elementwise::<B>(tensor, recompute::sigmoid::<B>)
 }
 
-/// A finite stand-in for `-inf` in every float dtype (f16's lowest): `log_sigmoid` of it is
-/// itself, its gradient 1, as at `-inf`.
-const LOWEST_HALF: f64 = -65504.0;
-
-/// `log_sigmoid`, `-inf` at `-inf` with a gradient of 1 there (Flex's and PyTorch's). Burn's
-/// default composition, which CubeCL runs, makes a NaN there, of the value and of the
-/// gradient (`exp(inf - inf)`): a `-inf` put in on purpose (a mask) then leaves a NaN gradient
-/// even where a `mask_where` drops the value, and every step is skipped. The op runs on a
-/// finite stand-in where the input is `-inf` (replaced in its value only, like the fills
-/// above), whose value is then set to `-inf`. Above autodiff, the backward reads the input
-/// from burn-autodiff's checkpointer, which keeps one copy per node: where another op keeps
-/// the same input (`x · c`), that copy holds the `-inf`, and the gradient there stays NaN on
-/// CubeCL.
-pub(crate) fn log_sigmoid<B: Backend>(tensor: FloatTensor<B>) -> FloatTensor<B> {
-    let at = equal_at::<B>(&tensor, f64::NEG_INFINITY);
-    let finite = with_value::<B>(tensor, at.clone(), LOWEST_HALF);
-    with_value::<B>(recompute::log_sigmoid::<B>(finite), at, f64::NEG_INFINITY)
-}
-
-/// `log_sigmoid`'s backward at `x` (where `Amp` runs below autodiff): the stand-in's, 1 at
-/// `-inf`.
-pub(crate) fn log_sigmoid_backward<B: Backend>(
-    x: FloatTensor<B>,
-    grad: FloatTensor<B>,
-) -> FloatTensor<B> {
-    let at = equal_at::<B>(&x, f64::NEG_INFINITY);
-    let x = B::float_mask_fill(x, at, Scalar::Float(LOWEST_HALF));
-    B::log_sigmoid_backward(x, grad)
-}
-
 pub(crate) fn hard_sigmoid<B: Backend>(
     tensor: FloatTensor<B>,
     alpha: Scalar,
