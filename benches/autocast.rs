@@ -1,7 +1,8 @@
 //! Autocast figures, measured side by side in one run:
 //! - overhead: a forward+backward step under `Amp<Autodiff<Flex>>` with autocast off
 //!   (`Precision::F32`) against `Autodiff<Flex>`, for an MLP and for the TinyLm
-//!   transformer (target: ratio <= 1.03);
+//!   transformer (target: ratio <= 1.03), and for the MLP with ELU (`exp`'s node of `Amp`'s
+//!   own);
 //! - memory: the peak device memory in use of one training step of an activation-heavy MLP,
 //!   `Amp<Autodiff<Wgpu>>` in f16 against `Autodiff<Wgpu>` in f32 on lavapipe (target <= 0.6).
 //!
@@ -49,6 +50,36 @@ fn side_by_side(iters: usize, mut a: impl FnMut(), mut b: impl FnMut()) -> (Dura
 fn mlp_step<B: AutodiffBackend>(model: &DeepMlp<B>, x: &Tensor<B, 2>) {
     let loss = model.forward(x.clone()).powi_scalar(2).mean();
     let _grads = loss.backward();
+}
+
+/// The same MLP with ELU, whose gradient runs through `exp`'s backward behind a mask (under
+/// `Amp`, a node of its own: four more elementwise ops in the backward).
+fn elu_mlp_step<B: AutodiffBackend>(model: &DeepMlp<B>, x: &Tensor<B, 2>) {
+    let mut h = x.clone();
+    for layer in &model.layers {
+        h = burn::tensor::activation::elu(layer.forward(h), 1.0);
+    }
+    let _grads = h.powi_scalar(2).mean().backward();
+}
+
+/// `Amp<Autodiff<Flex>>` at F32 against `Autodiff<Flex>`, the ELU MLP: ratio and the times.
+fn elu_overhead(iters: usize) -> (f64, Duration, Duration) {
+    let device = Default::default();
+    let _off = autocast(Precision::F32);
+    let plain = DeepMlp::<Autodiff<Flex>>::new(256, 4, &device);
+    let amp = DeepMlp::<Amp<Autodiff<Flex>>>::new(256, 4, &device);
+    let x_plain = Tensor::<Autodiff<Flex>, 2>::random(
+        [64, 256],
+        burn::tensor::Distribution::Default,
+        &device,
+    );
+    let x_amp = Tensor::<Amp<Autodiff<Flex>>, 2>::from_data(x_plain.to_data(), &device);
+    let (a, p) = side_by_side(
+        iters,
+        || elu_mlp_step(&amp, &x_amp),
+        || elu_mlp_step(&plain, &x_plain),
+    );
+    (a.as_secs_f64() / p.as_secs_f64(), a, p)
 }
 
 fn lm_step<B: AutodiffBackend>(model: &TinyLm<B>, batch: &(Tensor<B, 2, Int>, Tensor<B, 2, Int>)) {
@@ -249,6 +280,7 @@ fn main() {
     let iters = if quick { 3 } else { 40 };
 
     let (mlp_ratio, lm_ratio, mlp_a, mlp_p, lm_a, lm_p) = overhead(iters);
+    let (elu_ratio, elu_a, elu_p) = elu_overhead(iters);
 
     // Activation-heavy: a large batch through narrow layers, so that saved activations, not
     // parameters, dominate the step (as in real training).
@@ -276,6 +308,12 @@ fn main() {
         mlp_a.as_secs_f64() * 1e3,
         mlp_p.as_secs_f64() * 1e3,
         mlp_ratio
+    );
+    println!(
+        "| ELU MLP fwd+bwd (exp's own node), same | {:.3} ms | {:.3} ms | {:.3} | <= 1.03 |",
+        elu_a.as_secs_f64() * 1e3,
+        elu_p.as_secs_f64() * 1e3,
+        elu_ratio
     );
     println!(
         "| TinyLm fwd+bwd, Amp<Autodiff<Flex>> F32 vs Autodiff<Flex> | {:.3} ms | {:.3} ms | {:.3} | <= 1.03 |",
@@ -352,7 +390,7 @@ fn main() {
         }
     };
     report::emit(&format!(
-        "{{\"bench\":\"autocast\",\"iterations\":{iters},\"overhead_mlp_ratio\":{mlp_ratio:.4},\"overhead_transformer_ratio\":{lm_ratio:.4},\"peak_memory_f16_over_f32\":{},\"peak_f16_bytes\":{},\"peak_f32_bytes\":{},\"flex_step_amp_over_f32\":{:.4},\"cuda_step_amp_over_f32\":{},\"host_reads_fused\":{},\"host_reads_adam\":{}}}",
+        "{{\"bench\":\"autocast\",\"iterations\":{iters},\"overhead_mlp_ratio\":{mlp_ratio:.4},\"overhead_transformer_ratio\":{lm_ratio:.4},\"overhead_elu_mlp_ratio\":{elu_ratio:.4},\"peak_memory_f16_over_f32\":{},\"peak_f16_bytes\":{},\"peak_f32_bytes\":{},\"flex_step_amp_over_f32\":{:.4},\"cuda_step_amp_over_f32\":{},\"host_reads_fused\":{},\"host_reads_adam\":{}}}",
         memory_ratio.map_or("null".to_string(), |r| format!("{r:.4}")),
         f16_peak.map_or("null".to_string(), |p| p.0.to_string()),
         f32_peak.map_or("null".to_string(), |p| p.0.to_string()),

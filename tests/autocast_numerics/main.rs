@@ -45,6 +45,7 @@ mod empty_reductions;
 mod gradient_check;
 mod grid_sample;
 mod indexing;
+mod infinities;
 mod int_pow;
 mod interpolate;
 mod nan_propagation;

@@ -255,6 +255,7 @@ fn recomputed_ops_are_those_that_keep_their_inputs() {
         Op::sigmoid,
         Op::float_mul,
         Op::float_exp,
+        Op::log_sigmoid,
         Op::gelu,
         Op::softmax,
         Op::log_softmax,

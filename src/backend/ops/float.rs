@@ -80,7 +80,7 @@ impl<B: Backend> FloatTensorOps<Self> for Amp<B> {
         fn float_cummin(tensor: FloatTensor<Self>, dim: usize) -> FloatTensor<Self> => [t tensor] via workarounds;
         fn float_cummax(tensor: FloatTensor<Self>, dim: usize) -> FloatTensor<Self> => [t tensor] via workarounds;
         fn float_cast(tensor: FloatTensor<Self>, dtype: FloatDType) -> FloatTensor<Self> => [t tensor] via workarounds;
-        fn float_exp(tensor: FloatTensor<Self>) -> FloatTensor<Self> => [t tensor] via recompute;
+        fn float_exp(tensor: FloatTensor<Self>) -> FloatTensor<Self> => [t tensor] via workarounds;
         fn float_log(tensor: FloatTensor<Self>) -> FloatTensor<Self> => [t tensor] via recompute;
         fn float_log1p(tensor: FloatTensor<Self>) -> FloatTensor<Self> => [t tensor] via recompute;
         fn float_powf(lhs: FloatTensor<Self>, rhs: FloatTensor<Self>) -> FloatTensor<Self> => [t lhs, t rhs] via workarounds;

@@ -51,8 +51,11 @@
 //! **A NaN turned into a number** by Flex's `relu`, clamps, maxima and max pools, by CubeCL's
 //! `sigmoid`, `clamp`, maxima, max pools, scans, powers, `atan2` and `topk` (hidden from the
 //! loss scaler): `Amp` puts it back into the op's value, and ranks it first for a top-k
-//! ([`nan`]). **A NaN made from `-inf`** by Burn's default `log_sigmoid` (CubeCL's), value and
-//! gradient: `Amp` runs it on a finite stand-in there, in a node of its own ([`log_sigmoid`](mod@log_sigmoid)).
+//! ([`nan`]). **A NaN made from an infinity** by Burn's default `log_sigmoid` at `-inf`
+//! (CubeCL's), value and gradient, and by `exp`'s backward behind a mask (`elu`, `selu`,
+//! `celu`, `mish` above 88.7): `Amp` runs `log_sigmoid` on a finite stand-in there, and gives
+//! `exp`'s backward 0 where its output overflowed and nothing flowed back, in nodes of its own
+//! ([`infinities`]).
 //! **`grid_sample_2d` is bilinear only** outside Flex (CubeCL panics on other modes,
 //! burn-autodiff's composition is bilinear only), Flex has no bicubic and rounds nearest's
 //! ties away from zero: `Amp` composes nearest and bicubic from gathers, as PyTorch samples
@@ -70,13 +73,14 @@
 //! backward, where a bias's gradient is summed from a transposed gradient. `Amp` packs such a
 //! view before its sums, and the gradient that a transposition hands back.
 
+mod elementwise_node;
 pub(crate) mod empty;
 mod fft;
 mod flex_views;
 mod grid_sample;
+mod infinities;
 mod int_pow;
 mod interpolate;
-mod log_sigmoid;
 mod nan;
 mod nd;
 mod pooling;
@@ -107,8 +111,8 @@ pub(crate) use empty::{
     max_pool2d, max_pool2d_with_indices,
 };
 pub(crate) use fft::{irfft, rfft};
+pub(crate) use infinities::{float_exp, log_sigmoid, log_sigmoid_backward};
 pub(crate) use int_pow::{int_powi, int_powi_scalar, int_powi_scalar as int_powi_scalar_impl};
-pub(crate) use log_sigmoid::{log_sigmoid, log_sigmoid_backward};
 pub(crate) use nan::{
     float_atan2, float_clamp, float_clamp_max, float_clamp_min, float_cummax, float_cummin,
     float_powf, float_powf_scalar, float_powf_scalar_impl, float_powi_scalar,

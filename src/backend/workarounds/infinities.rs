@@ -1,0 +1,91 @@
+//! Where an infinity makes a NaN that the math does not, in Burn 0.21's ops.
+//!
+//! **`log_sigmoid(-inf)`**: `-inf`, with a gradient of 1 (Flex's and PyTorch's). Burn's default
+//! composition, which CubeCL runs (so CUDA too), makes a NaN there of the value and of the
+//! gradient (`exp(inf - inf)`): a `-inf` put in on purpose (a mask) then leaves a NaN gradient
+//! even where a `mask_where` drops the value, and the scaler skips every step. The op runs on a
+//! finite stand-in where the input is `-inf`, its output set to `-inf` there, and its backward
+//! gets the same stand-in.
+//!
+//! **`exp`'s backward behind a mask**: `grad · exp(x)`, which is `0 · inf = NaN` where `exp(x)`
+//! overflowed (x > 88.7 in f32) and nothing flowed back. Burn composes `elu`, `celu`, `selu`
+//! (`exp(x)` everywhere, then a `mask_where` keeps `x` where it is positive) and `mish`
+//! (`tanh(softplus(x))`, whose derivative at `softplus(x) = inf` is 0) so: their gradients are
+//! NaN at every input above 88.7, on every backend (measured; PyTorch's fused kernels: 1,
+//! 1.0507, 1), and with a loss scaler every step is skipped while the loss stays finite. Here
+//! the product is 0 where the output is `+inf` and the gradient 0, which is the derivative
+//! (`0 · e^x` for a finite `x`); a NaN gradient, or a non-zero one at an overflow, stays as
+//! it was.
+//!
+//! Above a listed autodiff backend both are [nodes of `Amp`'s own](super::elementwise_node):
+//! burn-autodiff's backward reads the input back from its checkpointer, which keeps one copy
+//! per node, so a fix of the input's value before Burn's node was measured to be lost where
+//! another op kept the same input (`log_sigmoid(x) + x · c`). Below autodiff, `log_sigmoid`'s
+//! backward is an op of `Amp` (`log_sigmoid_backward`) and is fixed there; `exp`'s is a product
+//! that `Amp` cannot tell from any other, and stays burn-autodiff's.
+
+use burn_backend::tensor::{BoolTensor, FloatTensor};
+use burn_backend::{Backend, Scalar, get_device_settings};
+
+use super::elementwise_node::{Elementwise, elementwise_node};
+
+/// A finite stand-in for `-inf` in every float dtype (f16's lowest): `log_sigmoid` of it is
+/// itself, its gradient 1, as at `-inf`.
+const LOWEST_HALF: f64 = -65504.0;
+
+pub(crate) fn log_sigmoid<B: Backend>(tensor: FloatTensor<B>) -> FloatTensor<B> {
+    elementwise_node::<B, _>(tensor, LogSigmoid)
+}
+
+/// `log_sigmoid`'s backward at `x`: the stand-in's, 1 at `-inf`.
+pub(crate) fn log_sigmoid_backward<B: Backend>(
+    x: FloatTensor<B>,
+    grad: FloatTensor<B>,
+) -> FloatTensor<B> {
+    LogSigmoid.backward::<B>(x, grad)
+}
+
+pub(crate) fn float_exp<B: Backend>(tensor: FloatTensor<B>) -> FloatTensor<B> {
+    elementwise_node::<B, _>(tensor, Exp)
+}
+
+/// Where `x` is `value`.
+fn equal_at<B: Backend>(x: &FloatTensor<B>, value: f64) -> BoolTensor<B> {
+    let bools = get_device_settings::<B>(&B::float_device(x)).bool_dtype;
+    B::float_equal_elem(x.clone(), Scalar::Float(value), bools)
+}
+
+#[derive(Debug, Clone, Copy)]
+struct LogSigmoid;
+
+impl Elementwise for LogSigmoid {
+    fn forward<X: Backend>(self, x: FloatTensor<X>) -> FloatTensor<X> {
+        let at = equal_at::<X>(&x, f64::NEG_INFINITY);
+        let y = X::log_sigmoid(X::float_mask_fill(
+            x,
+            at.clone(),
+            Scalar::Float(LOWEST_HALF),
+        ));
+        X::float_mask_fill(y, at, Scalar::Float(f64::NEG_INFINITY))
+    }
+
+    fn backward<X: Backend>(self, x: FloatTensor<X>, grad: FloatTensor<X>) -> FloatTensor<X> {
+        let at = equal_at::<X>(&x, f64::NEG_INFINITY);
+        X::log_sigmoid_backward(X::float_mask_fill(x, at, Scalar::Float(LOWEST_HALF)), grad)
+    }
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Exp;
+
+impl Elementwise for Exp {
+    fn forward<X: Backend>(self, x: FloatTensor<X>) -> FloatTensor<X> {
+        X::float_exp(x)
+    }
+
+    fn backward<X: Backend>(self, x: FloatTensor<X>, grad: FloatTensor<X>) -> FloatTensor<X> {
+        let y = X::float_exp(x);
+        let nothing_back = X::bool_and(equal_at::<X>(&grad, 0.0), equal_at::<X>(&y, f64::INFINITY));
+        X::float_mask_fill(X::float_mul(grad, y), nothing_back, Scalar::Float(0.0))
+    }
+}

@@ -1,0 +1,310 @@
+//! Where an infinity makes a NaN that the math does not (`src/backend/workarounds/infinities.rs`):
+//! `log_sigmoid(-inf)` on CubeCL, and `exp`'s backward behind a mask, which makes the gradients
+//! of Burn's `elu`, `celu`, `selu` and `mish` NaN above 88.7 on every backend. Under `Amp`,
+//! above autodiff, both are right; the plain backends' NaNs are canaries.
+
+use burn::backend::{Autodiff, Flex, Wgpu};
+use burn::tensor::TensorData;
+use burn::tensor::activation::{celu, elu, log_sigmoid, mish, selu, softplus};
+use burn::tensor::backend::AutodiffBackend;
+use burn_amp::{Amp, autocast};
+
+use super::*;
+
+/// `log_sigmoid` at `-inf` is `-inf` and its gradient 1 (PyTorch's and Flex's); Burn's default
+/// composition, which CubeCL runs, gives NaN for both. Under `Amp`, above and below autodiff,
+/// behind a `mask_where` that drops the masked values (the gradient stays finite), and beside
+/// another op that keeps the same input; at F16 (recomputed, memory-bound node) and F32.
+pub(crate) fn log_sigmoid_at_minus_infinity<B: Backend>(device: &B::Device) {
+    let inputs = vec![f32::NEG_INFINITY, -100.0, 0.0, 3.0, f32::INFINITY];
+    let want = [
+        f32::NEG_INFINITY,
+        -100.0,
+        -core::f32::consts::LN_2,
+        -0.048587352,
+        0.0,
+    ];
+    let want_grad = [1.0, 1.0, 0.5, 0.047425873, 0.0];
+    fn check<A: burn::tensor::backend::AutodiffBackend>(
+        device: &A::Device,
+        inputs: &[f32],
+        want: &[f32],
+        want_grad: &[f32],
+        name: &str,
+    ) {
+        let x =
+            Tensor::<A, 1>::from_data(TensorData::new(inputs.to_vec(), [5]), device).require_grad();
+        let y = log_sigmoid(x.clone());
+        let got = values(y.clone());
+        let close = |g: f32, w: f32| g == w || (g - w).abs() <= 1e-6 + 1e-5 * w.abs();
+        assert!(
+            got.iter().zip(want).all(|(g, w)| close(*g, *w)),
+            "{name}: {got:?}, want {want:?}"
+        );
+        let grad = values(x.grad(&y.sum().backward()).expect("x's gradient"));
+        assert!(
+            grad.iter().zip(want_grad).all(|(g, w)| close(*g, *w)),
+            "{name} gradient: {grad:?}, want {want_grad:?}"
+        );
+        // A mask that drops the `-inf` term: the loss and every gradient finite.
+        let keep = x.clone().greater_elem(-1e30);
+        let y = log_sigmoid(x.clone()).mask_where(keep.bool_not(), x.zeros_like());
+        let grad = values(x.grad(&y.sum().backward()).expect("x's gradient"));
+        assert!(
+            grad.iter().all(|g| g.is_finite()),
+            "{name} masked: {grad:?}"
+        );
+    }
+    // Another op keeping the same input for its backward (`x · c`, both tracked): the
+    // checkpointer keeps one copy of `x`, holding the `-inf`, that both backwards read.
+    fn shared<A: burn::tensor::backend::AutodiffBackend>(device: &A::Device, name: &str) {
+        let x = Tensor::<A, 1>::from_floats([f32::NEG_INFINITY, 1.0], device).require_grad();
+        let c = Tensor::<A, 1>::from_floats([2.0, 3.0], device).require_grad();
+        let y = log_sigmoid(x.clone()) + x.clone() * c;
+        let grad = values(x.grad(&y.sum().backward()).expect("x's gradient"));
+        // 1 + 2 at -inf; sigmoid(-1) + 3 at 1.
+        let want = [3.0, 3.268_941_4];
+        assert!(
+            grad.iter().zip(want).all(|(g, w)| (g - w).abs() <= 1e-5),
+            "{name} shared input: {grad:?}, want {want:?}"
+        );
+    }
+    for precision in [Precision::F16, Precision::F32] {
+        let _g = autocast(precision);
+        let name = |layout: &str| format!("{layout} at {precision:?}");
+        check::<Amp<Autodiff<B>>>(
+            device,
+            &inputs,
+            &want,
+            &want_grad,
+            &name("Amp<Autodiff<B>>"),
+        );
+        check::<Autodiff<Amp<B>>>(
+            device,
+            &inputs,
+            &want,
+            &want_grad,
+            &name("Autodiff<Amp<B>>"),
+        );
+        shared::<Amp<Autodiff<B>>>(device, &name("Amp<Autodiff<B>>"));
+        shared::<Autodiff<Amp<B>>>(device, &name("Autodiff<Amp<B>>"));
+    }
+}
+
+#[test]
+fn log_sigmoid_at_minus_infinity_flex() {
+    log_sigmoid_at_minus_infinity::<Flex>(&Default::default());
+}
+
+#[test]
+fn log_sigmoid_at_minus_infinity_wgpu() {
+    let Some(device) = common::wgpu_device() else {
+        return;
+    };
+    log_sigmoid_at_minus_infinity::<Wgpu>(&device);
+    // Canary: plain wgpu's value and gradient at -inf are NaN.
+    let x = Tensor::<Autodiff<Wgpu>, 1>::from_floats([f32::NEG_INFINITY], &device).require_grad();
+    let y = log_sigmoid(x.clone());
+    let value = values(y.clone())[0];
+    let grad = values(x.grad(&y.sum().backward()).unwrap())[0];
+    assert!(
+        value.is_nan() && grad.is_nan(),
+        "plain wgpu: {value}, {grad}"
+    );
+}
+
+/// Inputs across `exp`'s overflow (88.72 in f32), negative ones too; none beyond f16's range.
+const INPUTS: [f32; 9] = [-3.0, -1.0, 0.5, 20.0, 88.0, 89.0, 100.0, 1000.0, 30000.0];
+
+const SELU_ALPHA: f64 = 1.673_263_242_354_377_3;
+const SELU_GAMMA: f64 = 1.050_700_987_355_480_5;
+
+/// An activation Burn composes with `exp`, with its value and derivative in f64 (PyTorch's).
+struct Activation<A: Backend> {
+    name: &'static str,
+    op: fn(Tensor<A, 1>) -> Tensor<A, 1>,
+    value: fn(f64) -> f64,
+    derivative: fn(f64) -> f64,
+}
+
+fn softplus_f64(x: f64) -> f64 {
+    if x > 20.0 { x } else { x.exp().ln_1p() }
+}
+
+fn sigmoid_f64(x: f64) -> f64 {
+    1.0 / (1.0 + (-x).exp())
+}
+
+fn activations<A: Backend>() -> [Activation<A>; 4] {
+    [
+        Activation {
+            name: "elu",
+            op: |x| elu(x, 1.0),
+            value: |x| if x > 0.0 { x } else { x.exp_m1() },
+            derivative: |x| if x > 0.0 { 1.0 } else { x.exp() },
+        },
+        Activation {
+            name: "celu",
+            op: |x| celu(x, 1.0),
+            value: |x| if x > 0.0 { x } else { x.exp_m1() },
+            derivative: |x| if x > 0.0 { 1.0 } else { x.exp() },
+        },
+        Activation {
+            name: "selu",
+            op: selu,
+            value: |x| SELU_GAMMA * if x > 0.0 { x } else { SELU_ALPHA * x.exp_m1() },
+            derivative: |x| SELU_GAMMA * if x > 0.0 { 1.0 } else { SELU_ALPHA * x.exp() },
+        },
+        Activation {
+            name: "mish",
+            op: mish,
+            value: |x| x * softplus_f64(x).tanh(),
+            derivative: |x| {
+                let t = softplus_f64(x).tanh();
+                t + x * (1.0 - t * t) * sigmoid_f64(x)
+            },
+        },
+    ]
+}
+
+/// Each activation's value and gradient at [`INPUTS`] on `A`: `None` where they match the f64
+/// reference within `rtol`, else what went wrong.
+pub(crate) fn activation_errors<A: AutodiffBackend>(device: &A::Device, rtol: f32) -> Vec<String> {
+    let mut errors = Vec::new();
+    for act in activations::<A>() {
+        let x = Tensor::<A, 1>::from_floats(INPUTS, device).require_grad();
+        let y = (act.op)(x.clone());
+        let got = values(y.clone());
+        let grad = values(x.grad(&y.sum().backward()).expect("x's gradient"));
+        let want: Vec<f32> = INPUTS
+            .iter()
+            .map(|x| (act.value)(*x as f64) as f32)
+            .collect();
+        let want_grad: Vec<f32> = INPUTS
+            .iter()
+            .map(|x| (act.derivative)(*x as f64) as f32)
+            .collect();
+        if let Some((i, g, w)) = first_mismatch(&got, &want, 1e-6, rtol) {
+            errors.push(format!("{} at {}: {g}, want {w}", act.name, INPUTS[i]));
+        }
+        if let Some((i, g, w)) = first_mismatch(&grad, &want_grad, 1e-6, rtol) {
+            errors.push(format!(
+                "{} gradient at {}: {g}, want {w}",
+                act.name, INPUTS[i]
+            ));
+        }
+    }
+    errors
+}
+
+/// `elu`, `celu`, `selu`, `mish`: values and gradients within `rtol` of PyTorch's (f64) from
+/// -3 to 30000 under `Amp` above autodiff, at `precision` and at F32; `exp`'s gradient still
+/// `+inf` where the overflow reached the loss, and NaN behind a mask where its input is NaN.
+pub(crate) fn exp_behind_a_mask<B: Backend>(device: &B::Device, precision: Precision) {
+    for (precision, rtol) in [(precision, 2e-2), (Precision::F32, 1e-5)] {
+        let _g = autocast(precision);
+        let errors = activation_errors::<Amp<Autodiff<B>>>(device, rtol);
+        assert!(
+            errors.is_empty(),
+            "Amp<Autodiff<B>> at {precision:?}: {errors:?}"
+        );
+
+        type A<B> = Amp<Autodiff<B>>;
+        // The overflow reaches the loss: the gradient stays +inf (the scaler skips).
+        let x = Tensor::<A<B>, 1>::from_floats([100.0, 1.0], device).require_grad();
+        let y = x.clone().exp();
+        let grad = values(x.grad(&y.sum().backward()).expect("x's gradient"));
+        assert!(
+            grad[0] == f32::INFINITY && (grad[1] - 1f32.exp()).abs() < 1e-2,
+            "{grad:?}"
+        );
+        // A NaN in behind a mask: NaN out, as in PyTorch.
+        let x = Tensor::<A<B>, 1>::from_floats([f32::NAN, 100.0], device).require_grad();
+        let y = x
+            .clone()
+            .exp()
+            .mask_where(x.clone().is_nan(), x.zeros_like());
+        let y = y.mask_where(x.clone().greater_elem(50.0), x.zeros_like());
+        let grad = values(x.grad(&y.sum().backward()).expect("x's gradient"));
+        assert!(
+            grad[0].is_nan() && grad[1] == 0.0,
+            "{precision:?} masked NaN: {grad:?}"
+        );
+    }
+}
+
+/// Canaries: plain autodiff, and `Amp` below it (`exp`'s backward there is a product `Amp`
+/// cannot tell from another), give NaN gradients above 88.7; `softplus` itself is `+inf`
+/// there on every backend (Burn composes it as `log(exp(x) + 1)`; PyTorch: `x` above 20).
+fn canaries<B: Backend>(device: &B::Device) {
+    let nan_above_overflow = |errors: Vec<String>| {
+        ["elu", "celu", "selu", "mish"].iter().all(|name| {
+            errors.iter().any(|e| {
+                e == &format!(
+                    "{name} gradient at 89: NaN, want {}",
+                    if *name == "selu" {
+                        SELU_GAMMA as f32
+                    } else {
+                        1.0
+                    }
+                )
+            })
+        })
+    };
+    let plain = activation_errors::<Autodiff<B>>(device, 1e-5);
+    assert!(nan_above_overflow(plain.clone()), "plain: {plain:?}");
+    let _g = autocast(Precision::F32);
+    let below = activation_errors::<Autodiff<Amp<B>>>(device, 1e-5);
+    assert!(
+        nan_above_overflow(below.clone()),
+        "Autodiff<Amp<B>>: {below:?}"
+    );
+    let x = Tensor::<Amp<Autodiff<B>>, 1>::from_floats([100.0], device);
+    assert_eq!(values(softplus(x, 1.0)), [f32::INFINITY]);
+}
+
+/// The README's `softplus` thresholded as PyTorch's (`x` above 20): under `Amp` its gradient is
+/// 1 there, and NaN without it.
+fn thresholded_softplus<B: Backend>(device: &B::Device) {
+    fn run<A: AutodiffBackend>(device: &A::Device) -> (Vec<f32>, Vec<f32>) {
+        let x = Tensor::<A, 1>::from_floats([1.0, 100.0], device).require_grad();
+        let y = softplus(x.clone(), 1.0).mask_where(x.clone().greater_elem(20.0), x.clone());
+        let grad = values(x.grad(&y.clone().sum().backward()).expect("x's gradient"));
+        (values(y), grad)
+    }
+    let _g = autocast(Precision::F32);
+    let (value, grad) = run::<Amp<Autodiff<B>>>(device);
+    assert!(
+        (value[0] - 1.313_261_7).abs() < 1e-5 && value[1] == 100.0,
+        "{value:?}"
+    );
+    assert!(
+        (grad[0] - 0.731_058_6).abs() < 1e-5 && grad[1] == 1.0,
+        "{grad:?}"
+    );
+    let (_, plain) = run::<Autodiff<B>>(device);
+    assert!(plain[1].is_nan(), "plain: {plain:?}");
+}
+
+#[test]
+fn exp_behind_a_mask_flex_f16() {
+    exp_behind_a_mask::<Flex>(&Default::default(), Precision::F16);
+}
+
+#[test]
+fn exp_behind_a_mask_flex_bf16() {
+    let device = Default::default();
+    exp_behind_a_mask::<Flex>(&device, Precision::Bf16);
+    canaries::<Flex>(&device);
+    thresholded_softplus::<Flex>(&device);
+}
+
+#[test]
+fn exp_behind_a_mask_wgpu() {
+    let Some(device) = common::wgpu_device() else {
+        return;
+    };
+    exp_behind_a_mask::<Wgpu>(&device, Precision::F16);
+    canaries::<Wgpu>(&device);
+    thresholded_softplus::<Wgpu>(&device);
+}
