@@ -294,16 +294,18 @@ pub fn run<T: Target>(
             }),
         ),
         (
-            "infinities (a NaN made from one: log_sigmoid(-inf), exp's backward behind a mask)",
+            "infinities (a NaN made from one: log_sigmoid(-inf), the backward of exp behind a mask, of log behind a clamp)",
             Box::new(|| {
                 infinities::log_sigmoid_at_minus_infinity::<F<T>>(device);
                 for &precision in lows {
                     infinities::exp_behind_a_mask::<F<T>>(device, precision);
+                    infinities::bce_on_saturated_probabilities::<F<T>>(device, precision);
                 }
                 ok(
                     "log_sigmoid(-inf) = -inf, gradient 1 (also beside x · c); elu, celu, selu, \
                     mish from -3 to 30000, values and gradients within 2e-2 of PyTorch's (1e-5 \
-                    at f32), exp's +inf gradient kept where it reached the loss",
+                    at f32), exp's +inf gradient kept where it reached the loss; binary \
+                    cross-entropy on probabilities of 0 and 1: PyTorch's loss and gradient",
                 )
             }),
         ),

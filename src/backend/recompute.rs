@@ -149,12 +149,18 @@ macro_rules! recomputed_ops {
     ($($ops:ident :: $name:ident($($kind:ident $arg:ident $(: $ty:ty)?),*);)*) => {
         /// The ops recomputed here: burn-autodiff 0.21's memory-bound ops that keep every
         /// tracked input for their backward (so a recipe of them keeps nothing more), and
-        /// softmax and log-softmax; `exp` and `log_sigmoid` are such ops too, whose nodes
+        /// softmax and log-softmax; `exp`, `log`, `log1p` and `log_sigmoid` are such ops too, whose nodes
         /// `Amp` builds itself (for their backward at an infinity) under the same strategy.
         pub const fn is_recomputed(op: Op) -> bool {
             matches!(
                 op,
-                $(Op::$name)|* | Op::softmax | Op::log_softmax | Op::float_exp | Op::log_sigmoid
+                $(Op::$name)|*
+                    | Op::softmax
+                    | Op::log_softmax
+                    | Op::float_exp
+                    | Op::float_log
+                    | Op::float_log1p
+                    | Op::log_sigmoid
             )
         }
         $(
@@ -202,8 +208,6 @@ recomputed_ops! {
     FloatTensorOps::float_atan2(t lhs, t rhs);
     FloatTensorOps::float_powf(t lhs, t rhs);
     FloatTensorOps::float_recip(t tensor);
-    FloatTensorOps::float_log(t tensor);
-    FloatTensorOps::float_log1p(t tensor);
     FloatTensorOps::float_powf_scalar_impl(t tensor, a value: Scalar);
     FloatTensorOps::float_sqrt(t tensor);
     FloatTensorOps::float_abs(t tensor);

@@ -1,7 +1,9 @@
 //! Where an infinity makes a NaN that the math does not (`src/backend/workarounds/infinities.rs`):
-//! `log_sigmoid(-inf)` on CubeCL, and `exp`'s backward behind a mask, which makes the gradients
-//! of Burn's `elu`, `celu`, `selu` and `mish` NaN above 88.7 on every backend. Under `Amp`,
-//! above autodiff, both are right; the plain backends' NaNs are canaries.
+//! `log_sigmoid(-inf)` on CubeCL; `exp`'s backward behind a mask, which makes the gradients
+//! of Burn's `elu`, `celu`, `selu` and `mish` NaN above 88.7 on every backend; `log`'s and
+//! `log1p`'s behind a clamp, which makes burn-nn's binary cross-entropy on probabilities NaN
+//! at a probability of 0 or 1. Under `Amp`, above autodiff, all are right; the plain
+//! backends' NaNs are canaries.
 
 use burn::backend::{Autodiff, Flex, Wgpu};
 use burn::tensor::TensorData;
@@ -284,6 +286,78 @@ fn thresholded_softplus<B: Backend>(device: &B::Device) {
     );
     let (_, plain) = run::<Autodiff<B>>(device);
     assert!(plain[1].is_nan(), "plain: {plain:?}");
+}
+
+/// burn-nn's `BinaryCrossEntropyLoss` on `sigmoid` probabilities at logits 20 and -110 (`p`
+/// exactly 1 and 0 in f32) with either target, and at ±3: the loss (clamped at 100 a term, as
+/// PyTorch's `BCELoss`) within 1e-5 relative and the logits' gradient within 1e-6 of PyTorch's
+/// (0 where saturated, `(p - t) / 6` elsewhere), under `Amp` above autodiff at `precision` and
+/// F32. Returns plain autodiff's gradient (NaN at the four saturated logits: a canary).
+pub(crate) fn bce_on_saturated_probabilities<B: Backend>(
+    device: &B::Device,
+    precision: Precision,
+) -> Vec<f32> {
+    fn run<A: AutodiffBackend>(device: &A::Device) -> (f32, Vec<f32>) {
+        let logits = Tensor::<A, 2>::from_data(
+            TensorData::new(vec![20.0f32, 20.0, -110.0, -110.0, 3.0, -3.0], [6, 1]),
+            device,
+        )
+        .require_grad();
+        let targets = Tensor::<A, 2, burn::tensor::Int>::from_data(
+            TensorData::new(vec![1i64, 0, 0, 1, 1, 0], [6, 1]),
+            device,
+        );
+        let bce = burn::nn::loss::BinaryCrossEntropyLossConfig::new().init(device);
+        let loss = bce.forward(burn::tensor::activation::sigmoid(logits.clone()), targets);
+        let value = values(loss.clone())[0];
+        (
+            value,
+            values(logits.grad(&loss.backward()).expect("the logits' gradient")),
+        )
+    }
+    let s3 = sigmoid_f64(3.0);
+    let want_loss = ((100.0 + 100.0 - 2.0 * s3.ln()) / 6.0) as f32;
+    let want_grad = [0.0, 0.0, 0.0, 0.0, (s3 - 1.0) / 6.0, (1.0 - s3) / 6.0].map(|g| g as f32);
+    for precision in [precision, Precision::F32] {
+        let _g = autocast(precision);
+        let (loss, grad) = run::<Amp<Autodiff<B>>>(device);
+        assert!(
+            (loss - want_loss).abs() <= 1e-5 * want_loss,
+            "{precision:?}: loss {loss}, want {want_loss}"
+        );
+        assert!(
+            first_mismatch(&grad, &want_grad, 1e-6, 1e-4).is_none(),
+            "{precision:?}: the logits' gradient {grad:?}, want {want_grad:?}"
+        );
+    }
+    run::<Autodiff<B>>(device).1
+}
+
+fn bce_canary(plain: Vec<f32>) {
+    assert!(
+        plain[..4].iter().all(|g| g.is_nan()) && plain[4..].iter().all(|g| g.is_finite()),
+        "plain: {plain:?}"
+    );
+}
+
+#[test]
+fn bce_on_saturated_probabilities_flex() {
+    let device = Default::default();
+    bce_on_saturated_probabilities::<Flex>(&device, Precision::F16);
+    bce_canary(bce_on_saturated_probabilities::<Flex>(
+        &device,
+        Precision::Bf16,
+    ));
+}
+
+#[test]
+fn bce_on_saturated_probabilities_wgpu() {
+    if let Some(device) = common::wgpu_device() {
+        bce_canary(bce_on_saturated_probabilities::<Wgpu>(
+            &device,
+            Precision::F16,
+        ));
+    }
 }
 
 #[test]

@@ -81,8 +81,8 @@ impl<B: Backend> FloatTensorOps<Self> for Amp<B> {
         fn float_cummax(tensor: FloatTensor<Self>, dim: usize) -> FloatTensor<Self> => [t tensor] via workarounds;
         fn float_cast(tensor: FloatTensor<Self>, dtype: FloatDType) -> FloatTensor<Self> => [t tensor] via workarounds;
         fn float_exp(tensor: FloatTensor<Self>) -> FloatTensor<Self> => [t tensor] via workarounds;
-        fn float_log(tensor: FloatTensor<Self>) -> FloatTensor<Self> => [t tensor] via recompute;
-        fn float_log1p(tensor: FloatTensor<Self>) -> FloatTensor<Self> => [t tensor] via recompute;
+        fn float_log(tensor: FloatTensor<Self>) -> FloatTensor<Self> => [t tensor] via workarounds;
+        fn float_log1p(tensor: FloatTensor<Self>) -> FloatTensor<Self> => [t tensor] via workarounds;
         fn float_powf(lhs: FloatTensor<Self>, rhs: FloatTensor<Self>) -> FloatTensor<Self> => [t lhs, t rhs] via workarounds;
         fn float_powi(lhs: FloatTensor<Self>, rhs: IntTensor<Self>) -> FloatTensor<Self> => [t lhs];
         fn float_powi_scalar(lhs: FloatTensor<Self>, rhs: Scalar) -> FloatTensor<Self> => [t lhs, s rhs] via workarounds;

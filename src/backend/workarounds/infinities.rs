@@ -17,12 +17,20 @@
 //! (`0 · e^x` for a finite `x`); a NaN gradient, or a non-zero one at an overflow, stays as
 //! it was.
 //!
-//! Above a listed autodiff backend both are [nodes of `Amp`'s own](super::elementwise_node):
+//! **`log`'s and `log1p`'s backward behind a clamp**: `grad / x`, `0 / 0 = NaN` at the pole
+//! (`log(0)`, `log1p(-1)`) where the value was clamped away. burn-nn's `BinaryCrossEntropyLoss`
+//! on probabilities is `log(p).clamp_min(-100)` and `log1p(-p).clamp_min(-100)`: its gradient
+//! is NaN wherever `p` is exactly 0 or 1, which f32's `sigmoid` gives from a logit of 16.7 up
+//! (and -103.3 down), whatever the target (measured; PyTorch's `BCELoss`: 0 through the
+//! sigmoid). The same rule: 0 where the derivative is infinite and the gradient 0.
+//!
+//! Above a listed autodiff backend these are [nodes of `Amp`'s own](super::elementwise_node):
 //! burn-autodiff's backward reads the input back from its checkpointer, which keeps one copy
 //! per node, so a fix of the input's value before Burn's node was measured to be lost where
 //! another op kept the same input (`log_sigmoid(x) + x · c`). Below autodiff, `log_sigmoid`'s
-//! backward is an op of `Amp` (`log_sigmoid_backward`) and is fixed there; `exp`'s is a product
-//! that `Amp` cannot tell from any other, and stays burn-autodiff's.
+//! backward is an op of `Amp` (`log_sigmoid_backward`) and is fixed there; those of `exp`,
+//! `log` and `log1p` are products that `Amp` cannot tell from any other, and stay
+//! burn-autodiff's.
 
 use burn_backend::tensor::{BoolTensor, FloatTensor};
 use burn_backend::{Backend, Scalar, get_device_settings};
@@ -47,6 +55,14 @@ pub(crate) fn log_sigmoid_backward<B: Backend>(
 
 pub(crate) fn float_exp<B: Backend>(tensor: FloatTensor<B>) -> FloatTensor<B> {
     elementwise_node::<B, _>(tensor, Exp)
+}
+
+pub(crate) fn float_log<B: Backend>(tensor: FloatTensor<B>) -> FloatTensor<B> {
+    elementwise_node::<B, _>(tensor, Log)
+}
+
+pub(crate) fn float_log1p<B: Backend>(tensor: FloatTensor<B>) -> FloatTensor<B> {
+    elementwise_node::<B, _>(tensor, Log1p)
 }
 
 /// Where `x` is `value`.
@@ -75,6 +91,22 @@ impl Elementwise for LogSigmoid {
     }
 }
 
+/// `grad · derivative` (burn-autodiff's product), 0 where the gradient is 0 and the derivative
+/// infinite: nothing flowed back to where the op's value overflowed or hit a pole.
+fn times_derivative<X: Backend>(
+    grad: FloatTensor<X>,
+    derivative: FloatTensor<X>,
+) -> FloatTensor<X> {
+    let bools = get_device_settings::<X>(&X::float_device(&grad)).bool_dtype;
+    let infinite = X::float_is_inf(derivative.clone(), bools);
+    let nothing_back = X::bool_and(equal_at::<X>(&grad, 0.0), infinite);
+    X::float_mask_fill(
+        X::float_mul(grad, derivative),
+        nothing_back,
+        Scalar::Float(0.0),
+    )
+}
+
 #[derive(Debug, Clone, Copy)]
 struct Exp;
 
@@ -84,8 +116,35 @@ impl Elementwise for Exp {
     }
 
     fn backward<X: Backend>(self, x: FloatTensor<X>, grad: FloatTensor<X>) -> FloatTensor<X> {
-        let y = X::float_exp(x);
-        let nothing_back = X::bool_and(equal_at::<X>(&grad, 0.0), equal_at::<X>(&y, f64::INFINITY));
-        X::float_mask_fill(X::float_mul(grad, y), nothing_back, Scalar::Float(0.0))
+        times_derivative::<X>(grad, X::float_exp(x))
+    }
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Log;
+
+impl Elementwise for Log {
+    fn forward<X: Backend>(self, x: FloatTensor<X>) -> FloatTensor<X> {
+        X::float_log(x)
+    }
+
+    fn backward<X: Backend>(self, x: FloatTensor<X>, grad: FloatTensor<X>) -> FloatTensor<X> {
+        times_derivative::<X>(grad, X::float_recip(x))
+    }
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Log1p;
+
+impl Elementwise for Log1p {
+    fn forward<X: Backend>(self, x: FloatTensor<X>) -> FloatTensor<X> {
+        X::float_log1p(x)
+    }
+
+    fn backward<X: Backend>(self, x: FloatTensor<X>, grad: FloatTensor<X>) -> FloatTensor<X> {
+        times_derivative::<X>(
+            grad,
+            X::float_recip(X::float_add_scalar(x, Scalar::Float(1.0))),
+        )
     }
 }

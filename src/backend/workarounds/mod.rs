@@ -52,10 +52,11 @@
 //! `sigmoid`, `clamp`, maxima, max pools, scans, powers, `atan2` and `topk` (hidden from the
 //! loss scaler): `Amp` puts it back into the op's value, and ranks it first for a top-k
 //! ([`nan`]). **A NaN made from an infinity** by Burn's default `log_sigmoid` at `-inf`
-//! (CubeCL's), value and gradient, and by `exp`'s backward behind a mask (`elu`, `selu`,
-//! `celu`, `mish` above 88.7): `Amp` runs `log_sigmoid` on a finite stand-in there, and gives
-//! `exp`'s backward 0 where its output overflowed and nothing flowed back, in nodes of its own
-//! ([`infinities`]).
+//! (CubeCL's), value and gradient, by `exp`'s backward behind a mask (`elu`, `selu`, `celu`,
+//! `mish` above 88.7) and by `log`'s and `log1p`'s behind a clamp (burn-nn's binary
+//! cross-entropy on a probability of 0 or 1): `Amp` runs `log_sigmoid` on a finite stand-in
+//! there, and gives those backwards 0 where the derivative is infinite and nothing flowed
+//! back, in nodes of its own ([`infinities`]).
 //! **`grid_sample_2d` is bilinear only** outside Flex (CubeCL panics on other modes,
 //! burn-autodiff's composition is bilinear only), Flex has no bicubic and rounds nearest's
 //! ties away from zero: `Amp` composes nearest and bicubic from gathers, as PyTorch samples
@@ -111,7 +112,7 @@ pub(crate) use empty::{
     max_pool2d, max_pool2d_with_indices,
 };
 pub(crate) use fft::{irfft, rfft};
-pub(crate) use infinities::{float_exp, log_sigmoid, log_sigmoid_backward};
+pub(crate) use infinities::{float_exp, float_log, float_log1p, log_sigmoid, log_sigmoid_backward};
 pub(crate) use int_pow::{int_powi, int_powi_scalar, int_powi_scalar as int_powi_scalar_impl};
 pub(crate) use nan::{
     float_atan2, float_clamp, float_clamp_max, float_clamp_min, float_cummax, float_cummin,
