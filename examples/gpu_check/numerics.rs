@@ -301,11 +301,13 @@ pub fn run<T: Target>(
                     infinities::exp_behind_a_mask::<F<T>>(device, precision);
                     infinities::bce_on_saturated_probabilities::<F<T>>(device, precision);
                 }
+                infinities::cosine_similarity_of_a_zero_row::<F<T>>(device);
                 ok(
                     "log_sigmoid(-inf) = -inf, gradient 1 (also beside x · c); elu, celu, selu, \
                     mish from -3 to 30000, values and gradients within 2e-2 of PyTorch's (1e-5 \
                     at f32), exp's +inf gradient kept where it reached the loss; binary \
-                    cross-entropy on probabilities of 0 and 1: PyTorch's loss and gradient",
+                    cross-entropy on probabilities of 0 and 1: PyTorch's loss and gradient; \
+                    cosine similarity of a zero row: a finite gradient",
                 )
             }),
         ),

@@ -149,8 +149,9 @@ macro_rules! recomputed_ops {
     ($($ops:ident :: $name:ident($($kind:ident $arg:ident $(: $ty:ty)?),*);)*) => {
         /// The ops recomputed here: burn-autodiff 0.21's memory-bound ops that keep every
         /// tracked input for their backward (so a recipe of them keeps nothing more), and
-        /// softmax and log-softmax; `exp`, `log`, `log1p` and `log_sigmoid` are such ops too, whose nodes
-        /// `Amp` builds itself (for their backward at an infinity) under the same strategy.
+        /// softmax and log-softmax; `exp`, `log`, `log1p`, `sqrt` and `log_sigmoid` are such
+        /// ops too, whose nodes `Amp` builds itself (for their backward at an infinity) under
+        /// the same strategy.
         pub const fn is_recomputed(op: Op) -> bool {
             matches!(
                 op,
@@ -160,6 +161,7 @@ macro_rules! recomputed_ops {
                     | Op::float_exp
                     | Op::float_log
                     | Op::float_log1p
+                    | Op::float_sqrt
                     | Op::log_sigmoid
             )
         }
@@ -209,7 +211,6 @@ recomputed_ops! {
     FloatTensorOps::float_powf(t lhs, t rhs);
     FloatTensorOps::float_recip(t tensor);
     FloatTensorOps::float_powf_scalar_impl(t tensor, a value: Scalar);
-    FloatTensorOps::float_sqrt(t tensor);
     FloatTensorOps::float_abs(t tensor);
     FloatTensorOps::float_cos(t tensor);
     FloatTensorOps::float_sin(t tensor);

@@ -89,7 +89,7 @@ impl<B: Backend> FloatTensorOps<Self> for Amp<B> {
         fn float_powi_scalar_impl(lhs: FloatTensor<Self>, rhs: Scalar) -> FloatTensor<Self> => [t lhs, s rhs] via workarounds;
         fn float_powf_scalar(tensor: FloatTensor<Self>, value: Scalar) -> FloatTensor<Self> => [t tensor, s value] via workarounds;
         fn float_powf_scalar_impl(tensor: FloatTensor<Self>, value: Scalar) -> FloatTensor<Self> => [t tensor, s value] via workarounds;
-        fn float_sqrt(tensor: FloatTensor<Self>) -> FloatTensor<Self> => [t tensor] via recompute;
+        fn float_sqrt(tensor: FloatTensor<Self>) -> FloatTensor<Self> => [t tensor] via workarounds;
         fn float_abs(tensor: FloatTensor<Self>) -> FloatTensor<Self> => [t tensor] via recompute;
         fn float_cos(tensor: FloatTensor<Self>) -> FloatTensor<Self> => [t tensor] via recompute;
         fn float_sin(tensor: FloatTensor<Self>) -> FloatTensor<Self> => [t tensor] via recompute;

@@ -22,14 +22,16 @@
 //! on probabilities is `log(p).clamp_min(-100)` and `log1p(-p).clamp_min(-100)`: its gradient
 //! is NaN wherever `p` is exactly 0 or 1, which f32's `sigmoid` gives from a logit of 16.7 up
 //! (and -103.3 down), whatever the target (measured; PyTorch's `BCELoss`: 0 through the
-//! sigmoid). The same rule: 0 where the derivative is infinite and the gradient 0.
+//! sigmoid). The same rule: 0 where the derivative is infinite and the gradient 0. And
+//! **`sqrt`'s at 0 behind a clamp**: `cosine_similarity` clamps each norm, `sqrt(Σ x²)`, at its
+//! `eps`, so a zero vector (a padding row) had a NaN gradient; the same rule.
 //!
 //! Above a listed autodiff backend these are [nodes of `Amp`'s own](super::elementwise_node):
 //! burn-autodiff's backward reads the input back from its checkpointer, which keeps one copy
 //! per node, so a fix of the input's value before Burn's node was measured to be lost where
 //! another op kept the same input (`log_sigmoid(x) + x · c`). Below autodiff, `log_sigmoid`'s
 //! backward is an op of `Amp` (`log_sigmoid_backward`) and is fixed there; those of `exp`,
-//! `log` and `log1p` are products that `Amp` cannot tell from any other, and stay
+//! `log`, `log1p` and `sqrt` are products that `Amp` cannot tell from any other, and stay
 //! burn-autodiff's.
 
 use burn_backend::tensor::{BoolTensor, FloatTensor};
@@ -63,6 +65,10 @@ pub(crate) fn float_log<B: Backend>(tensor: FloatTensor<B>) -> FloatTensor<B> {
 
 pub(crate) fn float_log1p<B: Backend>(tensor: FloatTensor<B>) -> FloatTensor<B> {
     elementwise_node::<B, _>(tensor, Log1p)
+}
+
+pub(crate) fn float_sqrt<B: Backend>(tensor: FloatTensor<B>) -> FloatTensor<B> {
+    elementwise_node::<B, _>(tensor, Sqrt)
 }
 
 /// Where `x` is `value`.
@@ -130,6 +136,21 @@ impl Elementwise for Log {
 
     fn backward<X: Backend>(self, x: FloatTensor<X>, grad: FloatTensor<X>) -> FloatTensor<X> {
         times_derivative::<X>(grad, X::float_recip(x))
+    }
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Sqrt;
+
+impl Elementwise for Sqrt {
+    fn forward<X: Backend>(self, x: FloatTensor<X>) -> FloatTensor<X> {
+        X::float_sqrt(x)
+    }
+
+    fn backward<X: Backend>(self, x: FloatTensor<X>, grad: FloatTensor<X>) -> FloatTensor<X> {
+        // burn-autodiff's derivative, x^-0.5 / 2 (the same bits where it is finite).
+        let derivative = X::float_powf_scalar(x, Scalar::Float(-0.5));
+        times_derivative::<X>(grad, X::float_div_scalar(derivative, Scalar::Float(2.0)))
     }
 }
 

@@ -112,7 +112,9 @@ pub(crate) use empty::{
     max_pool2d, max_pool2d_with_indices,
 };
 pub(crate) use fft::{irfft, rfft};
-pub(crate) use infinities::{float_exp, float_log, float_log1p, log_sigmoid, log_sigmoid_backward};
+pub(crate) use infinities::{
+    float_exp, float_log, float_log1p, float_sqrt, log_sigmoid, log_sigmoid_backward,
+};
 pub(crate) use int_pow::{int_powi, int_powi_scalar, int_powi_scalar as int_powi_scalar_impl};
 pub(crate) use nan::{
     float_atan2, float_clamp, float_clamp_max, float_clamp_min, float_cummax, float_cummin,
