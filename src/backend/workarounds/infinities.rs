@@ -34,10 +34,11 @@
 //! `log`, `log1p` and `sqrt` are products that `Amp` cannot tell from any other, and stay
 //! burn-autodiff's.
 
-use burn_backend::tensor::{BoolTensor, FloatTensor};
-use burn_backend::{Backend, Scalar, get_device_settings};
+use burn_backend::tensor::FloatTensor;
+use burn_backend::{Backend, Scalar};
 
 use super::elementwise_node::{Elementwise, elementwise_node};
+use super::nan::{bools, equal_at};
 
 /// A finite stand-in for `-inf` in every float dtype (f16's lowest): `log_sigmoid` of it is
 /// itself, its gradient 1, as at `-inf`.
@@ -56,25 +57,19 @@ pub(crate) fn log_sigmoid_backward<B: Backend>(
 }
 
 pub(crate) fn float_exp<B: Backend>(tensor: FloatTensor<B>) -> FloatTensor<B> {
-    elementwise_node::<B, _>(tensor, Exp)
+    elementwise_node::<B, _>(tensor, Unbounded::Exp)
 }
 
 pub(crate) fn float_log<B: Backend>(tensor: FloatTensor<B>) -> FloatTensor<B> {
-    elementwise_node::<B, _>(tensor, Log)
+    elementwise_node::<B, _>(tensor, Unbounded::Log)
 }
 
 pub(crate) fn float_log1p<B: Backend>(tensor: FloatTensor<B>) -> FloatTensor<B> {
-    elementwise_node::<B, _>(tensor, Log1p)
+    elementwise_node::<B, _>(tensor, Unbounded::Log1p)
 }
 
 pub(crate) fn float_sqrt<B: Backend>(tensor: FloatTensor<B>) -> FloatTensor<B> {
-    elementwise_node::<B, _>(tensor, Sqrt)
-}
-
-/// Where `x` is `value`.
-fn equal_at<B: Backend>(x: &FloatTensor<B>, value: f64) -> BoolTensor<B> {
-    let bools = get_device_settings::<B>(&B::float_device(x)).bool_dtype;
-    B::float_equal_elem(x.clone(), Scalar::Float(value), bools)
+    elementwise_node::<B, _>(tensor, Unbounded::Sqrt)
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -97,75 +92,48 @@ impl Elementwise for LogSigmoid {
     }
 }
 
-/// `grad · derivative` (burn-autodiff's product), 0 where the gradient is 0 and the derivative
-/// infinite: nothing flowed back to where the op's value overflowed or hit a pole.
-fn times_derivative<X: Backend>(
-    grad: FloatTensor<X>,
-    derivative: FloatTensor<X>,
-) -> FloatTensor<X> {
-    let bools = get_device_settings::<X>(&X::float_device(&grad)).bool_dtype;
-    let infinite = X::float_is_inf(derivative.clone(), bools);
-    let nothing_back = X::bool_and(equal_at::<X>(&grad, 0.0), infinite);
-    X::float_mask_fill(
-        X::float_mul(grad, derivative),
-        nothing_back,
-        Scalar::Float(0.0),
-    )
+/// The ops whose derivative reaches infinity, at an overflow (`exp`) or a pole (`log`,
+/// `log1p`, `sqrt` at 0).
+#[derive(Debug, Clone, Copy)]
+enum Unbounded {
+    Exp,
+    Log,
+    Log1p,
+    Sqrt,
 }
 
-#[derive(Debug, Clone, Copy)]
-struct Exp;
-
-impl Elementwise for Exp {
-    fn forward<X: Backend>(self, x: FloatTensor<X>) -> FloatTensor<X> {
-        X::float_exp(x)
-    }
-
-    fn backward<X: Backend>(self, x: FloatTensor<X>, grad: FloatTensor<X>) -> FloatTensor<X> {
-        times_derivative::<X>(grad, X::float_exp(x))
+impl Unbounded {
+    /// burn-autodiff's derivative at `x` (the same bits where it is finite).
+    fn derivative<X: Backend>(self, x: FloatTensor<X>) -> FloatTensor<X> {
+        match self {
+            Unbounded::Exp => X::float_exp(x),
+            Unbounded::Log => X::float_recip(x),
+            Unbounded::Log1p => X::float_recip(X::float_add_scalar(x, Scalar::Float(1.0))),
+            Unbounded::Sqrt => X::float_div_scalar(
+                X::float_powf_scalar(x, Scalar::Float(-0.5)),
+                Scalar::Float(2.0),
+            ),
+        }
     }
 }
 
-#[derive(Debug, Clone, Copy)]
-struct Log;
-
-impl Elementwise for Log {
+impl Elementwise for Unbounded {
     fn forward<X: Backend>(self, x: FloatTensor<X>) -> FloatTensor<X> {
-        X::float_log(x)
+        match self {
+            Unbounded::Exp => X::float_exp(x),
+            Unbounded::Log => X::float_log(x),
+            Unbounded::Log1p => X::float_log1p(x),
+            Unbounded::Sqrt => X::float_sqrt(x),
+        }
     }
 
+    /// `grad · derivative` (burn-autodiff's product), 0 where the gradient is 0 and the
+    /// derivative infinite: nothing flowed back to where the value overflowed or hit a pole.
     fn backward<X: Backend>(self, x: FloatTensor<X>, grad: FloatTensor<X>) -> FloatTensor<X> {
-        times_derivative::<X>(grad, X::float_recip(x))
-    }
-}
-
-#[derive(Debug, Clone, Copy)]
-struct Sqrt;
-
-impl Elementwise for Sqrt {
-    fn forward<X: Backend>(self, x: FloatTensor<X>) -> FloatTensor<X> {
-        X::float_sqrt(x)
-    }
-
-    fn backward<X: Backend>(self, x: FloatTensor<X>, grad: FloatTensor<X>) -> FloatTensor<X> {
-        // burn-autodiff's derivative, x^-0.5 / 2 (the same bits where it is finite).
-        let derivative = X::float_powf_scalar(x, Scalar::Float(-0.5));
-        times_derivative::<X>(grad, X::float_div_scalar(derivative, Scalar::Float(2.0)))
-    }
-}
-
-#[derive(Debug, Clone, Copy)]
-struct Log1p;
-
-impl Elementwise for Log1p {
-    fn forward<X: Backend>(self, x: FloatTensor<X>) -> FloatTensor<X> {
-        X::float_log1p(x)
-    }
-
-    fn backward<X: Backend>(self, x: FloatTensor<X>, grad: FloatTensor<X>) -> FloatTensor<X> {
-        times_derivative::<X>(
-            grad,
-            X::float_recip(X::float_add_scalar(x, Scalar::Float(1.0))),
-        )
+        let derivative = self.derivative::<X>(x);
+        let infinite = X::float_is_inf(derivative.clone(), bools::<X>(&derivative));
+        let nothing_back = X::bool_and(equal_at::<X>(&grad, 0.0), infinite);
+        let product = X::float_mul(grad, derivative);
+        X::float_mask_fill(product, nothing_back, Scalar::Float(0.0))
     }
 }

@@ -27,7 +27,7 @@ use crate::backend::concrete::{AutodiffTensor, Visit, dispatch, moved};
 use crate::backend::recompute;
 
 /// The bool dtype of `x`'s device.
-fn bools<B: Backend>(x: &FloatTensor<B>) -> BoolDType {
+pub(super) fn bools<B: Backend>(x: &FloatTensor<B>) -> BoolDType {
     get_device_settings::<B>(&B::float_device(x)).bool_dtype
 }
 
@@ -37,7 +37,7 @@ fn nan_at<B: Backend>(x: &FloatTensor<B>) -> BoolTensor<B> {
 }
 
 /// Where `x` is `value`.
-fn equal_at<B: Backend>(x: &FloatTensor<B>, value: f64) -> BoolTensor<B> {
+pub(super) fn equal_at<B: Backend>(x: &FloatTensor<B>, value: f64) -> BoolTensor<B> {
     B::float_equal_elem(x.clone(), Scalar::Float(value), bools::<B>(x))
 }
 
