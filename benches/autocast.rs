@@ -3,6 +3,8 @@
 //!   (`Precision::F32`) against `Autodiff<Flex>`, for an MLP and for the TinyLm
 //!   transformer (target: ratio <= 1.03), and for the MLP with ELU (`exp`'s node of `Amp`'s
 //!   own);
+//! - the price of summing f16 matmuls and convolutions in f32 (`half_sums`): a step of two
+//!   3×3 convolutions on wgpu and of the MLP on Flex, against the half sums Burn runs;
 //! - memory: the peak device memory in use of one training step of an activation-heavy MLP,
 //!   `Amp<Autodiff<Wgpu>>` in f16 against `Autodiff<Wgpu>` in f32 on lavapipe (target <= 0.6).
 //!
@@ -254,12 +256,74 @@ where
     (t_p, t_a, fused_reads, adam_reads)
 }
 
+/// A step of two 3×3 convolutions (wgpu) and of the MLP (Flex), f16 under `Amp`, with the
+/// sums of matmuls and convolutions in f32 (default) / in f16 as Burn runs them
+/// (`half_sums::set_enabled(false)`).
+fn half_sums_cost(iters: usize, quick: bool) -> [Option<(Duration, Duration)>; 2] {
+    use burn::tensor::module::conv2d;
+    use burn::tensor::ops::ConvOptions;
+    use burn_amp::backend::half_sums;
+    type W = Amp<Autodiff<Wgpu>>;
+    type F = Amp<Autodiff<Flex>>;
+    let _autocast = autocast(Precision::F16);
+    let timed = |step: &dyn Fn()| {
+        side_by_side(
+            iters.min(10),
+            || {
+                half_sums::set_enabled(true);
+                step()
+            },
+            || {
+                half_sums::set_enabled(false);
+                step()
+            },
+        )
+    };
+    let conv = common::wgpu_device().map(|device| {
+        let (batch, channels, side) = if quick { (2, 8, 8) } else { (8, 64, 32) };
+        let x = Tensor::<W, 4>::random(
+            [batch, channels, side, side],
+            burn::tensor::Distribution::Default,
+            &device,
+        );
+        let w = |seed| {
+            Tensor::<W, 4>::random(
+                [channels, channels, 3, 3],
+                burn::tensor::Distribution::Normal(0.0, 0.05 + seed),
+                &device,
+            )
+            .require_grad()
+        };
+        let (w1, w2) = (w(0.0), w(0.01));
+        let options = ConvOptions::new([1, 1], [1, 1], [1, 1], 1);
+        timed(&|| {
+            let h = conv2d(x.clone(), w1.clone(), None, options.clone());
+            let y = conv2d(
+                burn::tensor::activation::relu(h),
+                w2.clone(),
+                None,
+                options.clone(),
+            );
+            let _grads = y.powi_scalar(2).mean().backward();
+            W::sync(&device).unwrap();
+        })
+    });
+    let device = Default::default();
+    let (batch, width, depth) = if quick { (64, 64, 2) } else { (512, 256, 4) };
+    let model = DeepMlp::<F>::new(width, depth, &device);
+    let x = Tensor::<F, 2>::random([batch, width], burn::tensor::Distribution::Default, &device);
+    let mlp = timed(&|| mlp_step(&model, &x));
+    half_sums::set_enabled(true);
+    [conv, Some(mlp)]
+}
+
 fn main() {
     mode::ensure_runtime_dir();
     let quick = mode::quick();
     let iters = if quick { 3 } else { 40 };
 
     let [(mlp_a, mlp_p), (elu_a, elu_p), (lm_a, lm_p)] = overhead(iters);
+    let [conv_sums, mlp_sums] = half_sums_cost(iters, quick);
     let ratio = |a: Duration, b: Duration| a.as_secs_f64() / b.as_secs_f64();
     let (mlp_ratio, elu_ratio, lm_ratio) =
         (ratio(mlp_a, mlp_p), ratio(elu_a, elu_p), ratio(lm_a, lm_p));
@@ -346,6 +410,20 @@ fn main() {
             );
         }
     }
+    for (name, r) in [
+        ("two 3x3 convs 64 ch, 8x32x32, fwd+bwd, Wgpu f16", conv_sums),
+        ("MLP fwd+bwd, Flex f16", mlp_sums),
+    ] {
+        match r {
+            Some((f32_sums, half)) => println!(
+                "| {name}: sums in f32 vs in f16 (`half_sums`) | {:.3} ms | {:.3} ms | {:.3} | (the price of f32 sums) |",
+                f32_sums.as_secs_f64() * 1e3,
+                half.as_secs_f64() * 1e3,
+                ratio(f32_sums, half)
+            ),
+            None => println!("| {name}: no wgpu adapter | | | | |"),
+        }
+    }
     println!(
         "| host reads per f16 scaled step: fused AdamW / Burn's Adam | {} | {} | | 0 fused |",
         flex.2, flex.3
@@ -372,7 +450,7 @@ fn main() {
         }
     };
     report::emit(&format!(
-        "{{\"bench\":\"autocast\",\"iterations\":{iters},\"overhead_mlp_ratio\":{mlp_ratio:.4},\"overhead_transformer_ratio\":{lm_ratio:.4},\"overhead_elu_mlp_ratio\":{elu_ratio:.4},\"peak_memory_f16_over_f32\":{},\"peak_f16_bytes\":{},\"peak_f32_bytes\":{},\"flex_step_amp_over_f32\":{:.4},\"cuda_step_amp_over_f32\":{},\"host_reads_fused\":{},\"host_reads_adam\":{}}}",
+        "{{\"bench\":\"autocast\",\"iterations\":{iters},\"overhead_mlp_ratio\":{mlp_ratio:.4},\"overhead_transformer_ratio\":{lm_ratio:.4},\"overhead_elu_mlp_ratio\":{elu_ratio:.4},\"peak_memory_f16_over_f32\":{},\"peak_f16_bytes\":{},\"peak_f32_bytes\":{},\"flex_step_amp_over_f32\":{:.4},\"cuda_step_amp_over_f32\":{},\"host_reads_fused\":{},\"host_reads_adam\":{},\"conv_f32_sums_over_half_sums\":{},\"flex_f16_mlp_f32_sums_over_half_sums\":{}}}",
         memory_ratio.map_or("null".to_string(), |r| format!("{r:.4}")),
         f16_peak.map_or("null".to_string(), |p| p.0.to_string()),
         f32_peak.map_or("null".to_string(), |p| p.0.to_string()),
@@ -383,5 +461,7 @@ fn main() {
         )),
         flex.2,
         flex.3,
+        conv_sums.map_or("null".to_string(), |(a, b)| format!("{:.4}", ratio(a, b))),
+        mlp_sums.map_or("null".to_string(), |(a, b)| format!("{:.4}", ratio(a, b))),
     ));
 }

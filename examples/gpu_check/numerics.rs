@@ -53,6 +53,8 @@ mod empty_reductions;
 mod gradient_check;
 #[path = "../../tests/autocast_numerics/grid_sample.rs"]
 mod grid_sample;
+#[path = "../../tests/autocast_numerics/half_sums.rs"]
+mod half_sums;
 #[path = "../../tests/autocast_numerics/indexing.rs"]
 mod indexing;
 #[path = "../../tests/autocast_numerics/infinities.rs"]
@@ -308,6 +310,27 @@ pub fn run<T: Target>(
                     at f32), exp's +inf gradient kept where it reached the loss; binary \
                     cross-entropy on probabilities of 0 and 1: PyTorch's loss and gradient; \
                     cosine similarity of a zero row: a finite gradient",
+                )
+            }),
+        ),
+        (
+            "half sums (matmuls and convolutions lowered to half precision sum in f32)",
+            Box::new(|| {
+                for &precision in lows {
+                    half_sums::exact_sums::<F<T>>(device, precision);
+                    let tol = if precision == Precision::F16 {
+                        1e-3
+                    } else {
+                        8e-3
+                    };
+                    half_sums::against_f32::<F<T>>(device, precision, tol);
+                }
+                ok(
+                    "4096 terms of 0.25 sum to 1024 (a half sum stalls at 512): conv1d over \
+                    channels, its weight and input gradients, a one-row matmul, a one-column \
+                    one's weight gradient; conv2d and conv_transpose2d, matmuls of one row, one \
+                    column and k = 16384, forward and gradients, within 1e-3 (f16) or 8e-3 \
+                    (bf16) of f32, above and below autodiff",
                 )
             }),
         ),

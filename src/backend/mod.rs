@@ -30,6 +30,7 @@ pub(crate) use backward_passes::count_backward_pass;
 pub(crate) use host_reads::count_host_read;
 pub use host_reads::host_reads;
 pub use policy::{Category, Op};
+pub use workarounds::half_sums;
 
 /// The autocast decorator backend. See the [module docs](self).
 #[derive(Debug, Clone, Copy, Default)]

@@ -113,6 +113,21 @@ pub(crate) fn cast<B: Backend>(
     build_node::<B, _>(tensor, Upcast(target))
 }
 
+/// `tensor` widened to `target` for an op that keeps it: through a recomputed cast node where
+/// [`cast`] would build one whatever the op, a plain cast otherwise.
+pub(crate) fn widened<B: Backend>(
+    tensor: B::FloatTensorPrimitive,
+    target: FloatDType,
+) -> B::FloatTensorPrimitive {
+    if !widens(tensor.dtype(), target) {
+        return B::float_cast(tensor, target);
+    }
+    if !ENABLED.with(|e| e.get()) {
+        return B::float_cast(tensor, target);
+    }
+    build_node::<B, _>(tensor, Upcast(target)).unwrap_or_else(|t| B::float_cast(t, target))
+}
+
 /// A widening to the given dtype, recomputed in the backward.
 struct Upcast(FloatDType);
 

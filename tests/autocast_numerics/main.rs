@@ -44,6 +44,7 @@ mod empty;
 mod empty_reductions;
 mod gradient_check;
 mod grid_sample;
+mod half_sums;
 mod indexing;
 mod infinities;
 mod int_pow;

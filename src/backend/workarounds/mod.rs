@@ -73,12 +73,17 @@
 //! `sum_dim` and `mean_dim` in f32, or a panic; in the forward and in burn-autodiff's
 //! backward, where a bias's gradient is summed from a transposed gradient. `Amp` packs such a
 //! view before its sums, and the gradient that a transposition hands back.
+//!
+//! **wgpu's convolutions and Flex's f16 matmul sum in half precision** ([`half_sums`]), where
+//! AMP promises f32 sums of half products: `Amp` runs them on the half values widened to f32
+//! and rounds the result.
 
 mod elementwise_node;
 pub(crate) mod empty;
 mod fft;
 mod flex_views;
 mod grid_sample;
+pub mod half_sums;
 mod infinities;
 mod int_pow;
 mod interpolate;
@@ -112,6 +117,13 @@ pub(crate) use empty::{
     max_pool2d, max_pool2d_with_indices,
 };
 pub(crate) use fft::{irfft, rfft};
+pub(crate) use half_sums::{
+    conv_transpose1d_weight_backward, conv_transpose1d_x_backward,
+    conv_transpose2d_weight_backward, conv_transpose2d_x_backward,
+    conv_transpose3d_weight_backward, conv_transpose3d_x_backward, conv1d_weight_backward,
+    conv1d_x_backward, conv2d_weight_backward, conv2d_x_backward, conv3d_weight_backward,
+    conv3d_x_backward, linear_weight_backward, linear_x_backward,
+};
 pub(crate) use infinities::{
     float_exp, float_log, float_log1p, float_sqrt, log_sigmoid, log_sigmoid_backward,
 };
@@ -203,7 +215,7 @@ pub(crate) fn int_argtopk_indices<B: Backend>(
 }
 
 /// Whether `B` is Flex, or autodiff over it (both keep ints as Flex tensors).
-fn on_flex<B: Backend>() -> bool {
+pub(super) fn on_flex<B: Backend>() -> bool {
     TypeId::of::<IntTensor<B>>() == TypeId::of::<FlexTensor>()
 }
 

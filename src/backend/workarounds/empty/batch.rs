@@ -13,7 +13,7 @@ use burn_backend::tensor::{FloatTensor, IntTensor};
 use burn_backend::{Backend, TensorMetadata, get_device_settings};
 use burn_std::{MetadataError, Shape};
 
-use super::super::{grid_sample, interpolate as interpolated, nan, pooling};
+use super::super::{grid_sample, half_sums, interpolate as interpolated, nan, pooling};
 use super::ops::{empty_like, with_indices};
 use super::{Fill, constant, float_dtype, is_empty};
 
@@ -43,6 +43,13 @@ macro_rules! convolutions {
                 let mut inputs = vec![x, weight];
                 inputs.extend(bias);
                 return constant::<B>(inputs, shape, dtype, Fill::Empty);
+            }
+            if half_sums::conv_sums_in_half::<B>(x.dtype()) {
+                // burn-autodiff's convolutions keep both inputs.
+                let kept = [true, true];
+                return half_sums::in_f32::<B, 2>([x, weight], kept, bias, |[x, weight], bias| {
+                    B::$name(x, weight, bias, options)
+                });
             }
             B::$name(x, weight, bias, options)
         }

@@ -5,6 +5,7 @@ use burn_backend::tensor::{BoolTensor, Device, FloatTensor, IntTensor};
 use burn_backend::{Backend, Distribution, Scalar, TensorMetadata};
 use burn_std::{BoolDType, FloatDType, IntDType, Shape};
 
+use super::super::half_sums;
 use super::{Fill, broadcast, constant, float_dtype, is_empty};
 
 /// Creation ops: an empty shape is an allocation (`*_empty`), not a fill kernel.
@@ -53,6 +54,12 @@ pub(crate) fn float_matmul<B: Backend>(lhs: FloatTensor<B>, rhs: FloatTensor<B>)
     {
         let dtype = float_dtype(lhs.dtype());
         return constant::<B>(vec![lhs, rhs], shape, dtype, Fill::Value(0.0));
+    }
+    if half_sums::matmul_sums_in_half::<B>(lhs.dtype()) {
+        let kept = half_sums::matmul_keeps::<B>(&lhs, &rhs);
+        return half_sums::in_f32::<B, 2>([lhs, rhs], kept, None, |[lhs, rhs], _| {
+            B::float_matmul(lhs, rhs)
+        });
     }
     B::float_matmul(lhs, rhs)
 }
@@ -114,6 +121,12 @@ pub(crate) fn linear<B: Backend>(
             Some(bias) => B::float_add(zeros, bias),
             None => zeros,
         };
+    }
+    if half_sums::matmul_sums_in_half::<B>(x.dtype()) {
+        let kept = half_sums::matmul_keeps::<B>(&x, &weight);
+        return half_sums::in_f32::<B, 2>([x, weight], kept, bias, |[x, weight], bias| {
+            B::linear(x, weight, bias)
+        });
     }
     B::linear(x, weight, bias)
 }
