@@ -65,6 +65,8 @@ mod int_pow;
 mod interpolate;
 #[path = "../../tests/autocast_numerics/nan_propagation.rs"]
 mod nan_propagation;
+#[path = "../../tests/autocast_numerics/opmath.rs"]
+mod opmath;
 #[path = "../../tests/autocast_numerics/pooling.rs"]
 mod pooling;
 #[path = "../../tests/autocast_numerics/products.rs"]
@@ -331,6 +333,18 @@ pub fn run<T: Target>(
                     one's weight gradient; conv2d and conv_transpose2d, matmuls of one row, one \
                     column and k = 16384, forward and gradients, within 1e-3 (f16) or 8e-3 \
                     (bf16) of f32, above and below autodiff",
+                )
+            }),
+        ),
+        (
+            "gelu, tanh and asinh of half inputs computed in f32 and rounded once",
+            Box::new(|| {
+                for &precision in lows {
+                    opmath::half_elementwise_in_f32::<F<T>>(device, precision);
+                }
+                ok(
+                    "4200 inputs in [-4, 4] and around 0: values within 1 step of the half \
+                    dtype of the f32 op's, gradients within 2, above and below autodiff",
                 )
             }),
         ),

@@ -50,6 +50,7 @@ mod infinities;
 mod int_pow;
 mod interpolate;
 mod nan_propagation;
+mod opmath;
 mod pooling;
 mod probabilities;
 mod products;

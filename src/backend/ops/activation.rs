@@ -15,9 +15,9 @@ impl<B: Backend> ActivationOps<Self> for Amp<B> {
         fn leaky_relu(tensor: FloatTensor<Self>, negative_slope: Scalar) -> FloatTensor<Self> => [t tensor, s negative_slope];
         fn relu(tensor: FloatTensor<Self>) -> FloatTensor<Self> => [t tensor] via workarounds;
         fn relu_backward(output: FloatTensor<Self>, grad: FloatTensor<Self>) -> FloatTensor<Self> => [t output, t grad];
-        fn gelu(tensor: FloatTensor<Self>) -> FloatTensor<Self> => [t tensor] via recompute;
+        fn gelu(tensor: FloatTensor<Self>) -> FloatTensor<Self> => [t tensor] via workarounds;
         fn prelu(tensor: FloatTensor<Self>, alpha: FloatTensor<Self>) -> FloatTensor<Self> => [t tensor, t alpha];
-        fn gelu_backward(x: FloatTensor<Self>, grad: FloatTensor<Self>) -> FloatTensor<Self> => [t x, t grad];
+        fn gelu_backward(x: FloatTensor<Self>, grad: FloatTensor<Self>) -> FloatTensor<Self> => [t x, t grad] via workarounds;
         fn sigmoid(tensor: FloatTensor<Self>) -> FloatTensor<Self> => [t tensor] via workarounds;
         fn sigmoid_backward(output: FloatTensor<Self>, grad: FloatTensor<Self>) -> FloatTensor<Self> => [t output, t grad];
         fn hard_sigmoid(tensor: FloatTensor<Self>, alpha: Scalar, beta: Scalar) -> FloatTensor<Self> => [t tensor, s alpha, s beta] via workarounds;

@@ -96,11 +96,11 @@ impl<B: Backend> FloatTensorOps<Self> for Amp<B> {
         fn float_tan(tensor: FloatTensor<Self>) -> FloatTensor<Self> => [t tensor] via recompute;
         fn float_cosh(tensor: FloatTensor<Self>) -> FloatTensor<Self> => [t tensor] via recompute;
         fn float_sinh(tensor: FloatTensor<Self>) -> FloatTensor<Self> => [t tensor] via recompute;
-        fn float_tanh(tensor: FloatTensor<Self>) -> FloatTensor<Self> => [t tensor] via recompute;
+        fn float_tanh(tensor: FloatTensor<Self>) -> FloatTensor<Self> => [t tensor] via workarounds;
         fn float_acos(tensor: FloatTensor<Self>) -> FloatTensor<Self> => [t tensor] via recompute;
         fn float_acosh(tensor: FloatTensor<Self>) -> FloatTensor<Self> => [t tensor] via recompute;
         fn float_asin(tensor: FloatTensor<Self>) -> FloatTensor<Self> => [t tensor] via recompute;
-        fn float_asinh(tensor: FloatTensor<Self>) -> FloatTensor<Self> => [t tensor] via recompute;
+        fn float_asinh(tensor: FloatTensor<Self>) -> FloatTensor<Self> => [t tensor] via workarounds;
         fn float_atan(tensor: FloatTensor<Self>) -> FloatTensor<Self> => [t tensor] via recompute;
         fn float_atanh(tensor: FloatTensor<Self>) -> FloatTensor<Self> => [t tensor] via recompute;
         fn float_atan2(lhs: FloatTensor<Self>, rhs: FloatTensor<Self>) -> FloatTensor<Self> => [t lhs, t rhs] via workarounds;

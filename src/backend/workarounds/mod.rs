@@ -74,6 +74,10 @@
 //! backward, where a bias's gradient is summed from a transposed gradient. `Amp` packs such a
 //! view before its sums, and the gradient that a transposition hands back.
 //!
+//! **CubeCL computes `gelu`, `tanh` and `asinh` of half inputs in half precision**, step by
+//! step (`gelu`'s negative tail thousands of f16 steps off): `Amp` computes them in f32 and
+//! rounds once, as PyTorch's half kernels do ([`opmath`]).
+//!
 //! **wgpu's convolutions and Flex's f16 matmul sum in half precision** ([`half_sums`]), where
 //! AMP promises f32 sums of half products: `Amp` runs them on the half values widened to f32
 //! and rounds the result.
@@ -89,6 +93,7 @@ mod int_pow;
 mod interpolate;
 mod nan;
 mod nd;
+mod opmath;
 mod pooling;
 mod products;
 mod repeat;
@@ -133,6 +138,7 @@ pub(crate) use nan::{
     float_powf, float_powf_scalar, float_powf_scalar_impl, float_powi_scalar,
     float_powi_scalar_impl, hard_sigmoid, relu, sigmoid,
 };
+pub(crate) use opmath::{float_asinh, float_tanh, gelu, gelu_backward};
 pub(crate) use pooling::{avg_pool1d, avg_pool2d_backward};
 pub(crate) use products::float_cumprod;
 

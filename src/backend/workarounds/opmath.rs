@@ -1,0 +1,102 @@
+//! Half-precision elementwise ops computed in f32 and rounded once, as PyTorch's half kernels
+//! compute (their "opmath" type). Autocast keeps `gelu`, `tanh` and `asinh` in the input's
+//! dtype (PyTorch's lists do), and CubeCL computes them in that dtype, step by step:
+//!
+//! - **`gelu`** is Burn's composition `x · (1 + erf(x / √2)) / 2` on every CubeCL backend, each
+//!   step rounded to f16: in the negative tail `1 + erf` is the difference of two numbers near
+//!   1, and `gelu(-3.83)` came out 2043 f16 steps from the rounded f32 value (wgpu, lavapipe),
+//!   its gradient (`gelu_backward`, the same composition) 398;
+//! - **`tanh`** and **`asinh`** of a small input are 0 or several times the input on wgpu
+//!   (lavapipe: `tanh(-2e-4)` is 1678 steps off, as `asinh(-1e-4)`).
+//!
+//! Flex computes them in f32 (0.5 steps: correctly rounded) and keeps Burn's. Elsewhere, a
+//! half input is widened, the op and its derivative run in f32, and the output and the input's
+//! gradient are rounded to the input's dtype, in an [elementwise node of `Amp`'s
+//! own](super::elementwise_node) above autodiff (the half input kept, as before). Below
+//! autodiff the forward is the same and `gelu_backward` too; `tanh`'s and `asinh`'s backwards
+//! stay burn-autodiff's.
+
+use burn_backend::tensor::FloatTensor;
+use burn_backend::{Backend, DType, Scalar, TensorMetadata};
+use burn_std::FloatDType;
+
+use super::elementwise_node::{Elementwise, elementwise_node};
+use crate::backend::recompute;
+
+/// Whether `B` computes an elementwise op on `tensor` in its half dtype.
+fn in_half_arithmetic<B: Backend>(tensor: &FloatTensor<B>) -> bool {
+    matches!(tensor.dtype(), DType::F16 | DType::BF16) && !super::on_flex::<B>()
+}
+
+pub(crate) fn gelu<B: Backend>(tensor: FloatTensor<B>) -> FloatTensor<B> {
+    match in_half_arithmetic::<B>(&tensor) {
+        true => elementwise_node::<B, _>(tensor, Opmath::Gelu),
+        false => recompute::gelu::<B>(tensor),
+    }
+}
+
+pub(crate) fn float_tanh<B: Backend>(tensor: FloatTensor<B>) -> FloatTensor<B> {
+    match in_half_arithmetic::<B>(&tensor) {
+        true => elementwise_node::<B, _>(tensor, Opmath::Tanh),
+        false => recompute::float_tanh::<B>(tensor),
+    }
+}
+
+pub(crate) fn float_asinh<B: Backend>(tensor: FloatTensor<B>) -> FloatTensor<B> {
+    match in_half_arithmetic::<B>(&tensor) {
+        true => elementwise_node::<B, _>(tensor, Opmath::Asinh),
+        false => recompute::float_asinh::<B>(tensor),
+    }
+}
+
+/// `gelu`'s backward kernel, which `Amp` runs below autodiff.
+pub(crate) fn gelu_backward<B: Backend>(x: FloatTensor<B>, grad: FloatTensor<B>) -> FloatTensor<B> {
+    match in_half_arithmetic::<B>(&x) {
+        true => Opmath::Gelu.backward::<B>(x, grad),
+        false => B::gelu_backward(x, grad),
+    }
+}
+
+#[derive(Debug, Clone, Copy)]
+enum Opmath {
+    Gelu,
+    Tanh,
+    Asinh,
+}
+
+fn widened<X: Backend>(tensor: FloatTensor<X>) -> FloatTensor<X> {
+    X::float_cast(tensor, FloatDType::F32)
+}
+
+impl Elementwise for Opmath {
+    fn forward<X: Backend>(self, x: FloatTensor<X>) -> FloatTensor<X> {
+        let dtype = FloatDType::from(x.dtype());
+        let x = widened::<X>(x);
+        let y = match self {
+            Opmath::Gelu => X::gelu(x),
+            Opmath::Tanh => X::float_tanh(x),
+            Opmath::Asinh => X::float_asinh(x),
+        };
+        X::float_cast(y, dtype)
+    }
+
+    fn backward<X: Backend>(self, x: FloatTensor<X>, grad: FloatTensor<X>) -> FloatTensor<X> {
+        let dtype = FloatDType::from(x.dtype());
+        let (x, grad) = (widened::<X>(x), widened::<X>(grad));
+        let one = Scalar::Float(1.0);
+        let dx = match self {
+            Opmath::Gelu => X::gelu_backward(x, grad),
+            // 1 - tanh(x)², from the input in f32 (burn-autodiff's from the half output).
+            Opmath::Tanh => {
+                let y = X::float_tanh(x);
+                let squared = X::float_mul(y.clone(), y);
+                X::float_mul(grad, X::float_neg(X::float_sub_scalar(squared, one)))
+            }
+            Opmath::Asinh => {
+                let squared = X::float_mul(x.clone(), x);
+                X::float_div(grad, X::float_sqrt(X::float_add_scalar(squared, one)))
+            }
+        };
+        X::float_cast(dx, dtype)
+    }
+}
