@@ -106,26 +106,31 @@ pub(crate) fn cast<B: Backend>(
     target: FloatDType,
     op: Op,
 ) -> Result<B::FloatTensorPrimitive, B::FloatTensorPrimitive> {
-    let keeps = keeps_widened_input(op) || super::recompute::keeps_input(op);
-    if !keeps || !widens(tensor.dtype(), target) || !ENABLED.with(|e| e.get()) {
-        return Err(tensor);
+    match keeps_widened_input(op) || super::recompute::keeps_input(op) {
+        true => recomputed::<B>(tensor, target),
+        false => Err(tensor),
     }
-    build_node::<B, _>(tensor, Upcast(target))
 }
 
 /// `tensor` widened to `target` for an op that keeps it: through a recomputed cast node where
-/// [`cast`] would build one whatever the op, a plain cast otherwise.
+/// one applies, a plain cast otherwise.
 pub(crate) fn widened<B: Backend>(
     tensor: B::FloatTensorPrimitive,
     target: FloatDType,
 ) -> B::FloatTensorPrimitive {
-    if !widens(tensor.dtype(), target) {
-        return B::float_cast(tensor, target);
+    recomputed::<B>(tensor, target).unwrap_or_else(|t| B::float_cast(t, target))
+}
+
+/// The recomputed cast node, when `tensor` widens to `target`, recomputation is on and `B`
+/// is a listed autodiff backend.
+fn recomputed<B: Backend>(
+    tensor: B::FloatTensorPrimitive,
+    target: FloatDType,
+) -> Result<B::FloatTensorPrimitive, B::FloatTensorPrimitive> {
+    if !widens(tensor.dtype(), target) || !ENABLED.with(|e| e.get()) {
+        return Err(tensor);
     }
-    if !ENABLED.with(|e| e.get()) {
-        return B::float_cast(tensor, target);
-    }
-    build_node::<B, _>(tensor, Upcast(target)).unwrap_or_else(|t| B::float_cast(t, target))
+    build_node::<B, _>(tensor, Upcast(target))
 }
 
 /// A widening to the given dtype, recomputed in the backward.

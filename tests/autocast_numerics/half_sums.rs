@@ -13,23 +13,16 @@ use burn_amp::{Amp, autocast};
 
 use super::*;
 
-/// Values in [-1, 1) from a fixed linear congruential sequence, plus `offset`.
-fn uniform<B: Backend, const D: usize>(
+/// Values in [-1, 1) from the fixed stream of `uniform(seed)`, plus `offset`.
+fn random<B: Backend, const D: usize>(
     shape: [usize; D],
     device: &B::Device,
     seed: u64,
     offset: f32,
 ) -> Tensor<B, D> {
-    let mut state = seed;
+    let mut next = uniform(seed);
     let n: usize = shape.iter().product();
-    let values: Vec<f32> = (0..n)
-        .map(|_| {
-            state = state
-                .wrapping_mul(6364136223846793005)
-                .wrapping_add(1442695040888963407);
-            (state >> 33) as f32 / (1u64 << 30) as f32 - 1.0 + offset
-        })
-        .collect();
+    let values: Vec<f32> = (0..n).map(|_| next() * 2.0 - 1.0 + offset).collect();
     Tensor::from_data(TensorData::new(values, shape), device)
 }
 
@@ -123,9 +116,9 @@ pub(crate) fn against_f32<B: Backend>(device: &B::Device, precision: Precision, 
 
 fn cases<A: AutodiffBackend>(device: &A::Device, precision: Precision, tol: f32, layout: &str) {
     let convs = [
-        uniform::<A, 4>([8, 64, 16, 16], device, 1, 0.0),
-        uniform::<A, 4>([64, 64, 3, 3], device, 2, 0.0).div_scalar(8.0),
-        uniform::<A, 4>([64, 32, 3, 3], device, 3, 0.0).div_scalar(8.0),
+        random::<A, 4>([8, 64, 16, 16], device, 1, 0.0),
+        random::<A, 4>([64, 64, 3, 3], device, 2, 0.0).div_scalar(8.0),
+        random::<A, 4>([64, 32, 3, 3], device, 3, 0.0).div_scalar(8.0),
     ];
     let what = format!("conv2d then conv_transpose2d, {layout}");
     compare(&what, precision, tol, convs, |[x, w, wt]| {
@@ -141,9 +134,9 @@ fn cases<A: AutodiffBackend>(device: &A::Device, precision: Precision, tol: f32,
     // Offset 1: terms of one sign, as a sum of activations after a ReLU.
     for (m, k, n) in [(1, 4096, 64), (4096, 64, 1), (64, 16384, 64)] {
         let inputs = [
-            uniform::<A, 2>([m, k], device, 4, 1.0),
-            uniform::<A, 2>([k, n], device, 5, 1.0).div_scalar(16.0),
-            uniform::<A, 2>([m, n], device, 6, 0.0),
+            random::<A, 2>([m, k], device, 4, 1.0),
+            random::<A, 2>([k, n], device, 5, 1.0).div_scalar(16.0),
+            random::<A, 2>([m, n], device, 6, 0.0),
         ];
         let what = format!("[{m}, {k}] @ [{k}, {n}] + c, {layout}");
         compare(&what, precision, tol, inputs, |[x, w, c]| {

@@ -11,11 +11,12 @@
 //!   against f32 training, 64 → 64 channels, 3×3, batch 8 of 16×16, forward 3.5e-3, weight
 //!   gradient 7.0e-3, transposed convolution's 7.2e-3 (Flex, which sums in f32: 3.6e-4,
 //!   4.6e-4, 4.1e-4, the rounding of the f16 inputs and result).
-//! - **The `gemm` crate's f16 matrix-vector product** (Flex's f16 matmul): with one row
-//!   (`m = 1`, a batch of one) or one column (`n = 1`, the weight gradient of a one-output
-//!   head) the sum is rounded to f16 after every term: `[1, 4096] @ [4096, 64]` 7.2e-2,
-//!   a `[4096, 64] @ [64, 1]` head's weight gradient 7.4e-3 (2.2e-4 otherwise). bf16 is
-//!   right there (Flex computes it in f32).
+//! - **The `gemm` crate's f16 kernels** (Flex's f16 matmul): with one row (`m = 1`, a batch
+//!   of one) or one column (`n = 1`, the weight gradient of a one-output head) the sum is
+//!   rounded to f16 after every term, and after every block of the inner dimension otherwise:
+//!   `[1, 4096] @ [4096, 64]` 7.2e-2, a `[4096, 64] @ [64, 1]` head's weight gradient 7.4e-3,
+//!   `[64, 16384] @ [16384, 64]` 6.4e-4 (2.2e-4 summed in f32). bf16 is right there (Flex
+//!   computes it in f32).
 //!
 //! `Amp` runs these on the half values widened to f32 and rounds the result to the half
 //! dtype: the numbers of a kernel that sums in f32, the output's dtype unchanged. Above a
