@@ -112,15 +112,6 @@ pub(crate) fn cast<B: Backend>(
     }
 }
 
-/// `tensor` widened to `target` for an op that keeps it: through a recomputed cast node where
-/// one applies, a plain cast otherwise.
-pub(crate) fn widened<B: Backend>(
-    tensor: B::FloatTensorPrimitive,
-    target: FloatDType,
-) -> B::FloatTensorPrimitive {
-    recomputed::<B>(tensor, target).unwrap_or_else(|t| B::float_cast(t, target))
-}
-
 /// The recomputed cast node, when `tensor` widens to `target`, recomputation is on and `B`
 /// is a listed autodiff backend.
 fn recomputed<B: Backend>(

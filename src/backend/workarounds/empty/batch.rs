@@ -13,7 +13,8 @@ use burn_backend::tensor::{FloatTensor, IntTensor};
 use burn_backend::{Backend, TensorMetadata, get_device_settings};
 use burn_std::{MetadataError, Shape};
 
-use super::super::{grid_sample, half_sums, interpolate as interpolated, nan, pooling};
+use super::super::half_sums::{self, Summed};
+use super::super::{grid_sample, interpolate as interpolated, nan, pooling};
 use super::ops::{empty_like, with_indices};
 use super::{Fill, constant, float_dtype, is_empty};
 
@@ -30,7 +31,7 @@ fn empty_result<B: Backend>(
 }
 
 macro_rules! convolutions {
-    ($($name:ident($options:ident<$n:literal>) => |$x:ident, $w:ident, $o:ident| $shape:expr;)*) => {$(
+    ($($name:ident($options:ident<$n:literal>) as $summed:ident => |$x:ident, $w:ident, $o:ident| $shape:expr;)*) => {$(
         pub(crate) fn $name<B: Backend>(
             x: FloatTensor<B>,
             weight: FloatTensor<B>,
@@ -45,11 +46,7 @@ macro_rules! convolutions {
                 return constant::<B>(inputs, shape, dtype, Fill::Empty);
             }
             if half_sums::conv_sums_in_half::<B>(x.dtype()) {
-                // burn-autodiff's convolutions keep both inputs.
-                let kept = [true, true];
-                return half_sums::in_f32::<B, 2>([x, weight], kept, bias, |[x, weight], bias| {
-                    B::$name(x, weight, bias, options)
-                });
+                return half_sums::summed::<B>(Summed::$summed(options), x, weight, bias);
             }
             B::$name(x, weight, bias, options)
         }
@@ -57,14 +54,14 @@ macro_rules! convolutions {
 }
 
 convolutions! {
-    conv1d(ConvOptions<1>) => |x, w, o| calculate_conv_output_shape(x, &w, &o.stride, &o.padding, &o.dilation);
-    conv2d(ConvOptions<2>) => |x, w, o| calculate_conv_output_shape(x, &w, &o.stride, &o.padding, &o.dilation);
-    conv3d(ConvOptions<3>) => |x, w, o| calculate_conv_output_shape(x, &w, &o.stride, &o.padding, &o.dilation);
-    conv_transpose1d(ConvTransposeOptions<1>) => |x, w, o| calculate_conv_transpose_output_shape(
+    conv1d(ConvOptions<1>) as Conv1d => |x, w, o| calculate_conv_output_shape(x, &w, &o.stride, &o.padding, &o.dilation);
+    conv2d(ConvOptions<2>) as Conv2d => |x, w, o| calculate_conv_output_shape(x, &w, &o.stride, &o.padding, &o.dilation);
+    conv3d(ConvOptions<3>) as Conv3d => |x, w, o| calculate_conv_output_shape(x, &w, &o.stride, &o.padding, &o.dilation);
+    conv_transpose1d(ConvTransposeOptions<1>) as ConvTranspose1d => |x, w, o| calculate_conv_transpose_output_shape(
         x, &w, &o.stride, &o.padding, &o.padding_out, &o.dilation, o.groups);
-    conv_transpose2d(ConvTransposeOptions<2>) => |x, w, o| calculate_conv_transpose_output_shape(
+    conv_transpose2d(ConvTransposeOptions<2>) as ConvTranspose2d => |x, w, o| calculate_conv_transpose_output_shape(
         x, &w, &o.stride, &o.padding, &o.padding_out, &o.dilation, o.groups);
-    conv_transpose3d(ConvTransposeOptions<3>) => |x, w, o| calculate_conv_transpose_output_shape(
+    conv_transpose3d(ConvTransposeOptions<3>) as ConvTranspose3d => |x, w, o| calculate_conv_transpose_output_shape(
         x, &w, &o.stride, &o.padding, &o.padding_out, &o.dilation, o.groups);
 }
 

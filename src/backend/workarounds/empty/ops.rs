@@ -5,7 +5,7 @@ use burn_backend::tensor::{BoolTensor, Device, FloatTensor, IntTensor};
 use burn_backend::{Backend, Distribution, Scalar, TensorMetadata};
 use burn_std::{BoolDType, FloatDType, IntDType, Shape};
 
-use super::super::half_sums;
+use super::super::half_sums::{self, Summed};
 use super::{Fill, broadcast, constant, float_dtype, is_empty};
 
 /// Creation ops: an empty shape is an allocation (`*_empty`), not a fill kernel.
@@ -56,10 +56,7 @@ pub(crate) fn float_matmul<B: Backend>(lhs: FloatTensor<B>, rhs: FloatTensor<B>)
         return constant::<B>(vec![lhs, rhs], shape, dtype, Fill::Value(0.0));
     }
     if half_sums::matmul_sums_in_half::<B>(lhs.dtype()) {
-        let kept = half_sums::matmul_keeps::<B>(&lhs, &rhs);
-        return half_sums::in_f32::<B, 2>([lhs, rhs], kept, None, |[lhs, rhs], _| {
-            B::float_matmul(lhs, rhs)
-        });
+        return half_sums::summed::<B>(Summed::Matmul, lhs, rhs, None);
     }
     B::float_matmul(lhs, rhs)
 }
@@ -123,10 +120,7 @@ pub(crate) fn linear<B: Backend>(
         };
     }
     if half_sums::matmul_sums_in_half::<B>(x.dtype()) {
-        let kept = half_sums::matmul_keeps::<B>(&x, &weight);
-        return half_sums::in_f32::<B, 2>([x, weight], kept, bias, |[x, weight], bias| {
-            B::linear(x, weight, bias)
-        });
+        return half_sums::summed::<B>(Summed::Linear, x, weight, bias);
     }
     B::linear(x, weight, bias)
 }

@@ -20,11 +20,10 @@
 //!
 //! `Amp` runs these on the half values widened to f32 and rounds the result to the half
 //! dtype: the numbers of a kernel that sums in f32, the output's dtype unchanged. Above a
-//! listed autodiff backend the widening is a [recomputed cast](crate::backend::upcast), so
-//! the op's backward also runs in f32 and keeps the half copy of each input, not an f32 one.
-//! The price is the op's f32 traffic (on wgpu, a convolution reads twice the bytes), and an
-//! input autodiff does not track (a data batch into a trained layer), which the op keeps, is
-//! kept in f32: there is no node to recompute it from.
+//! listed autodiff backend the op is one node of its own whose backward also runs in f32 and
+//! keeps the half inputs it was given, not f32 copies; below autodiff the backward kernels
+//! are widened too. The price is the op's f32 traffic (on wgpu, a convolution reads twice the
+//! bytes).
 //!
 //! [`set_enabled`]`(false)` keeps the half sums for this thread, for speed over precision
 //! (PyTorch's `allow_fp16_reduced_precision_reduction`, there for cuBLAS).
@@ -38,8 +37,9 @@ use burn_backend::tensor::FloatTensor;
 use burn_backend::{Backend, DType, TensorMetadata};
 use burn_std::FloatDType;
 
-use crate::backend::concrete::is_tracked;
-use crate::backend::upcast;
+mod node;
+
+pub(crate) use node::{Summed, summed};
 
 thread_local! {
     static ENABLED: Cell<bool> = const { Cell::new(true) };
@@ -72,30 +72,14 @@ fn on_wgpu<B: Backend>() -> bool {
     TypeId::of::<B::Device>() == TypeId::of::<WgpuDevice>()
 }
 
-/// `op` on its inputs widened to f32, the result rounded back to `dtype`. `kept[i]`: whether
-/// the op's backward keeps input `i` (then its widening is recomputed from the half copy,
-/// which the widening node keeps; a plain cast otherwise, freed after the op).
-pub(crate) fn in_f32<B: Backend, const N: usize>(
+/// `op` on `inputs` widened to f32, the result rounded back to the first one's dtype.
+fn in_f32<B: Backend, const N: usize>(
     inputs: [FloatTensor<B>; N],
-    kept: [bool; N],
-    bias: Option<FloatTensor<B>>,
-    op: impl FnOnce([FloatTensor<B>; N], Option<FloatTensor<B>>) -> FloatTensor<B>,
+    op: impl FnOnce([FloatTensor<B>; N]) -> FloatTensor<B>,
 ) -> FloatTensor<B> {
     let dtype = FloatDType::from(inputs[0].dtype());
-    let mut kept = kept.into_iter();
-    let inputs = inputs.map(|t| match kept.next() == Some(true) {
-        true => upcast::widened::<B>(t, FloatDType::F32),
-        false => B::float_cast(t, FloatDType::F32),
-    });
-    let bias = bias.map(|b| B::float_cast(b, FloatDType::F32));
-    B::float_cast(op(inputs, bias), dtype)
-}
-
-/// Whether a matmul's backward keeps each of its two operands: the one the other's gradient
-/// needs, when the other is tracked (burn-autodiff 0.21's `matmul` and `linear`).
-pub(crate) fn matmul_keeps<B: Backend>(lhs: &FloatTensor<B>, rhs: &FloatTensor<B>) -> [bool; 2] {
-    let tracked = |t| is_tracked::<B>(t).unwrap_or(true);
-    [tracked(rhs), tracked(lhs)]
+    let inputs = inputs.map(|t| B::float_cast(t, FloatDType::F32));
+    B::float_cast(op(inputs), dtype)
 }
 
 /// The backward kernels `Amp` runs below autodiff (`Autodiff<Amp<B>>`), on the half tensors
@@ -107,8 +91,7 @@ macro_rules! backward_ops {
         ) -> FloatTensor<B> {
             let inputs = [$($t),+];
             if $sums::<B>(inputs[0].dtype()) {
-                let kept = inputs.each_ref().map(|_| false);
-                return in_f32::<B, _>(inputs, kept, None, |[$($t),+], _| B::$name($($t,)+ $($options)?));
+                return in_f32::<B, _>(inputs, |[$($t),+]| B::$name($($t,)+ $($options)?));
             }
             let [$($t),+] = inputs;
             B::$name($($t,)+ $($options)?)
