@@ -306,12 +306,14 @@ pub fn run<T: Target>(
                     infinities::bce_on_saturated_probabilities::<F<T>>(device, precision);
                 }
                 infinities::cosine_similarity_of_a_zero_row::<F<T>>(device);
+                infinities::negative_powers::<F<T>>(device);
                 ok(
                     "log_sigmoid(-inf) = -inf, gradient 1 (also beside x · c); elu, celu, selu, \
                     mish from -3 to 30000, values and gradients within 2e-2 of PyTorch's (1e-5 \
                     at f32), exp's +inf gradient kept where it reached the loss; binary \
                     cross-entropy on probabilities of 0 and 1: PyTorch's loss and gradient; \
-                    cosine similarity of a zero row: a finite gradient",
+                    cosine similarity of a zero row: a finite gradient; negative powers of \
+                    negative and zero bases, values and gradients as Flex's (IEEE's)",
                 )
             }),
         ),
@@ -330,9 +332,10 @@ pub fn run<T: Target>(
                 ok(
                     "4096 terms of 0.25 sum to 1024 (a half sum stalls at 512): conv1d over \
                     channels, its weight and input gradients, a one-row matmul, a one-column \
-                    one's weight gradient; conv2d and conv_transpose2d, matmuls of one row, one \
-                    column and k = 16384, forward and gradients, within 1e-3 (f16) or 8e-3 \
-                    (bf16) of f32, above and below autodiff",
+                    one's weight gradient; conv2d and conv_transpose2d (with biases, of a data \
+                    batch, frozen), matmuls of one row, one column, k = 16384 and broadcast \
+                    batches, linear of a data batch and frozen, forward and gradients, within \
+                    1e-3 (f16) or 8e-3 (bf16) of f32, above and below autodiff",
                 )
             }),
         ),

@@ -413,9 +413,9 @@ fn powers<B: Backend>(device: &B::Device) -> Vec<f32> {
 
 /// On wgpu plain autodiff is right here, by another defect: CubeCL's `powf_scalar(0, -0.5)` is
 /// 0 (IEEE, PyTorch and Flex: `+inf`), so burn-autodiff's `sqrt` derivative at 0 is 0, not
-/// `+inf`. Canaries of that and of its kin, left as they are under `Amp` too (WGSL's `pow` is
-/// undefined at a zero or negative base; CUDA's `powf` is IEEE's, not measured): `0^-3` and
-/// `0^-1` (a tensor exponent) are 0, `(-2)^-3` is NaN (want -0.125).
+/// `+inf`. Canaries of that and of its kin (WGSL's `pow` is undefined at a zero or negative
+/// base): `0^-3` and `0^-1` (a tensor exponent) are 0, `(-2)^-3` is NaN (want -0.125). Under
+/// `Amp` they are IEEE's, as on Flex (`src/backend/workarounds/negative_powers.rs`).
 #[test]
 fn cosine_similarity_of_a_zero_row_wgpu() {
     let Some(device) = common::wgpu_device() else {
@@ -428,12 +428,52 @@ fn cosine_similarity_of_a_zero_row_wgpu() {
         powers::<Flex>(&Default::default()),
         [inf, inf, -0.125, inf, 4.0]
     );
+    let got = powers::<Wgpu>(&device);
+    assert!(
+        got[..2] == [0.0, 0.0] && got[2].is_nan() && got[3..] == [0.0, 4.0],
+        "CubeCL's powers of 0 and -2: {got:?}"
+    );
     let _g = autocast(Precision::F32);
-    for got in [powers::<Wgpu>(&device), powers::<Amp<Wgpu>>(&device)] {
-        assert!(
-            got[..2] == [0.0, 0.0] && got[2].is_nan() && got[3..] == [0.0, 4.0],
-            "CubeCL's powers of 0 and -2: {got:?}"
-        );
+    assert_eq!(powers::<Amp<Wgpu>>(&device), [inf, inf, -0.125, inf, 4.0]);
+}
+
+/// Negative powers under `Amp` above autodiff on `B`, of negative, fractional and positive
+/// bases, to scalar and tensor exponents: values and the bases' gradients within 1e-5
+/// relative of Flex's (IEEE's `pow`; on wgpu through `negative_powers`, CUDA's own `powf`).
+pub(crate) fn negative_powers<B: Backend>(device: &B::Device) {
+    fn run<A: AutodiffBackend>(device: &A::Device) -> Vec<f32> {
+        let x = Tensor::<A, 1>::from_floats([-2.0, -0.5, 0.5, 3.0], device).require_grad();
+        let y = Tensor::<A, 1>::from_floats([-3.0, -2.0, -0.5, 2.0], device);
+        let outs = [
+            x.clone().powf_scalar(-3.0),
+            x.clone().powi_scalar(-5),
+            x.clone().abs().powf_scalar(-1.5),
+            x.clone().powf(y),
+        ];
+        let loss = outs
+            .iter()
+            .cloned()
+            .reduce(|a, b| a + b)
+            .expect("four")
+            .sum();
+        let grad = x.grad(&loss.backward()).expect("x's gradient");
+        let mut all: Vec<f32> = outs.into_iter().flat_map(values).collect();
+        all.extend(values(grad));
+        all
+    }
+    let _g = autocast(Precision::F32);
+    let want = run::<Amp<Autodiff<Flex>>>(&Default::default());
+    let got = run::<Amp<Autodiff<B>>>(device);
+    assert!(
+        first_mismatch(&got, &want, 1e-6, 1e-5).is_none(),
+        "negative powers {got:?}, Flex's {want:?}"
+    );
+}
+
+#[test]
+fn negative_powers_wgpu() {
+    if let Some(device) = common::wgpu_device() {
+        negative_powers::<Wgpu>(&device);
     }
 }
 

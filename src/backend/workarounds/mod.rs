@@ -93,6 +93,7 @@ mod int_pow;
 mod interpolate;
 mod nan;
 mod nd;
+mod negative_powers;
 mod opmath;
 mod pooling;
 mod products;
@@ -218,6 +219,11 @@ pub(crate) fn int_argtopk_indices<B: Backend>(
     } else {
         B::int_argtopk(tensor, dim, k)
     }
+}
+
+/// Whether `B` is wgpu, or autodiff over it.
+pub(super) fn on_wgpu<B: Backend>() -> bool {
+    TypeId::of::<B::Device>() == TypeId::of::<burn::backend::wgpu::WgpuDevice>()
 }
 
 /// Whether `B` is Flex, or autodiff over it (both keep ints as Flex tensors).

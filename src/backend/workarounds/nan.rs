@@ -23,6 +23,7 @@ use burn_backend::tensor::{BoolTensor, FloatTensor, IntTensor};
 use burn_backend::{Backend, Scalar, TensorMetadata, get_device_settings};
 use burn_std::{BoolDType, IntDType};
 
+use super::negative_powers;
 use crate::backend::concrete::{AutodiffTensor, Visit, dispatch, moved};
 use crate::backend::recompute;
 
@@ -229,7 +230,7 @@ pub(crate) fn float_powf<B: Backend>(lhs: FloatTensor<B>, rhs: FloatTensor<B>) -
         B::float_sub(nan_exponent, one_to_nan.clone()),
     );
     let ones = either::<B>(nan_to_0th, one_to_nan);
-    let out = with_nan::<B>(recompute::float_powf::<B>(lhs, rhs), at);
+    let out = with_nan::<B>(negative_powers::float_powf::<B>(lhs, rhs), at);
     with_value::<B>(out, ones, 1.0)
 }
 
@@ -245,12 +246,13 @@ pub(crate) fn nan_ranked_first<B: Backend>(tensor: FloatTensor<B>) -> FloatTenso
 }
 
 /// `op`, a power of `tensor` to `exponent`: NaN where `tensor` is, but for the 0th power (1,
-/// IEEE's `pow` and PyTorch's).
+/// IEEE's `pow` and PyTorch's); a negative one [as a reciprocal](negative_powers) on wgpu.
 fn power<B: Backend>(
     tensor: FloatTensor<B>,
     exponent: Scalar,
-    op: impl FnOnce(FloatTensor<B>) -> FloatTensor<B>,
+    op: impl FnOnce(FloatTensor<B>, Scalar) -> FloatTensor<B>,
 ) -> FloatTensor<B> {
+    let op = |t| negative_powers::scalar::<B>(t, exponent, op);
     match exponent.elem::<f64>() == 0.0 {
         true => op(tensor),
         false => elementwise::<B>(tensor, op),
@@ -261,27 +263,25 @@ pub(crate) fn float_powf_scalar<B: Backend>(
     tensor: FloatTensor<B>,
     value: Scalar,
 ) -> FloatTensor<B> {
-    power::<B>(tensor, value, |t| B::float_powf_scalar(t, value))
+    power::<B>(tensor, value, B::float_powf_scalar)
 }
 
 pub(crate) fn float_powf_scalar_impl<B: Backend>(
     tensor: FloatTensor<B>,
     value: Scalar,
 ) -> FloatTensor<B> {
-    power::<B>(tensor, value, |t| {
-        recompute::float_powf_scalar_impl::<B>(t, value)
-    })
+    power::<B>(tensor, value, recompute::float_powf_scalar_impl::<B>)
 }
 
 pub(crate) fn float_powi_scalar<B: Backend>(lhs: FloatTensor<B>, rhs: Scalar) -> FloatTensor<B> {
-    power::<B>(lhs, rhs, |t| B::float_powi_scalar(t, rhs))
+    power::<B>(lhs, rhs, B::float_powi_scalar)
 }
 
 pub(crate) fn float_powi_scalar_impl<B: Backend>(
     lhs: FloatTensor<B>,
     rhs: Scalar,
 ) -> FloatTensor<B> {
-    power::<B>(lhs, rhs, |t| B::float_powi_scalar_impl(t, rhs))
+    power::<B>(lhs, rhs, B::float_powi_scalar_impl)
 }
 
 pub(crate) fn float_cummax<B: Backend>(tensor: FloatTensor<B>, dim: usize) -> FloatTensor<B> {

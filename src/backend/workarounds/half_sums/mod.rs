@@ -28,10 +28,8 @@
 //! [`set_enabled`]`(false)` keeps the half sums for this thread, for speed over precision
 //! (PyTorch's `allow_fp16_reduced_precision_reduction`, there for cuBLAS).
 
-use core::any::TypeId;
 use std::cell::Cell;
 
-use burn::backend::wgpu::WgpuDevice;
 use burn_backend::ops::{ConvOptions, ConvTransposeOptions};
 use burn_backend::tensor::FloatTensor;
 use burn_backend::{Backend, DType, TensorMetadata};
@@ -59,17 +57,13 @@ pub fn is_enabled() -> bool {
 /// Whether `B` sums a convolution of `dtype` inputs in that dtype: f16 on wgpu (no bf16
 /// there) and on Flex.
 pub(crate) fn conv_sums_in_half<B: Backend>(dtype: DType) -> bool {
-    dtype == DType::F16 && (on_wgpu::<B>() || super::on_flex::<B>()) && is_enabled()
+    dtype == DType::F16 && (super::on_wgpu::<B>() || super::on_flex::<B>()) && is_enabled()
 }
 
 /// Whether `B` sums a matmul of `dtype` inputs in that dtype, or the products of its backward:
 /// f16 on Flex.
 pub(crate) fn matmul_sums_in_half<B: Backend>(dtype: DType) -> bool {
     dtype == DType::F16 && super::on_flex::<B>() && is_enabled()
-}
-
-fn on_wgpu<B: Backend>() -> bool {
-    TypeId::of::<B::Device>() == TypeId::of::<WgpuDevice>()
 }
 
 /// `op` on `inputs` widened to f32, the result rounded back to the first one's dtype.
