@@ -106,19 +106,8 @@ pub(crate) fn cast<B: Backend>(
     target: FloatDType,
     op: Op,
 ) -> Result<B::FloatTensorPrimitive, B::FloatTensorPrimitive> {
-    match keeps_widened_input(op) || super::recompute::keeps_input(op) {
-        true => recomputed::<B>(tensor, target),
-        false => Err(tensor),
-    }
-}
-
-/// The recomputed cast node, when `tensor` widens to `target`, recomputation is on and `B`
-/// is a listed autodiff backend.
-fn recomputed<B: Backend>(
-    tensor: B::FloatTensorPrimitive,
-    target: FloatDType,
-) -> Result<B::FloatTensorPrimitive, B::FloatTensorPrimitive> {
-    if !widens(tensor.dtype(), target) || !ENABLED.with(|e| e.get()) {
+    let keeps = keeps_widened_input(op) || super::recompute::keeps_input(op);
+    if !keeps || !widens(tensor.dtype(), target) || !ENABLED.with(|e| e.get()) {
         return Err(tensor);
     }
     build_node::<B, _>(tensor, Upcast(target))

@@ -149,7 +149,7 @@ use burn::backend::flex::FlexTensor;
 use burn_backend::TensorMetadata;
 use burn_backend::tensor::{FloatTensor, IntTensor};
 use burn_backend::{Backend, get_device_settings};
-use burn_std::{IntDType, Slice};
+use burn_std::{FloatDType, IntDType, Slice};
 
 /// `B`'s cat, its inputs held until it returns (see the module docs); with an empty piece,
 /// [`empty::float_cat_pieces`].
@@ -219,6 +219,17 @@ pub(crate) fn int_argtopk_indices<B: Backend>(
     } else {
         B::int_argtopk(tensor, dim, k)
     }
+}
+
+/// `op` on `inputs` widened to f32, the result rounded back to the first one's dtype: a half
+/// op computed as a kernel that works in f32 would ([`half_sums`], [`opmath`]).
+fn in_f32<B: Backend, const N: usize>(
+    inputs: [FloatTensor<B>; N],
+    op: impl FnOnce([FloatTensor<B>; N]) -> FloatTensor<B>,
+) -> FloatTensor<B> {
+    let dtype = FloatDType::from(inputs[0].dtype());
+    let inputs = inputs.map(|t| B::float_cast(t, FloatDType::F32));
+    B::float_cast(op(inputs), dtype)
 }
 
 /// Whether `B` is wgpu, or autodiff over it.

@@ -18,9 +18,9 @@
 
 use burn_backend::tensor::FloatTensor;
 use burn_backend::{Backend, DType, Scalar, TensorMetadata};
-use burn_std::FloatDType;
 
 use super::elementwise_node::{Elementwise, elementwise_node};
+use super::in_f32;
 use crate::backend::recompute;
 
 /// Whether `B` computes an elementwise op on `tensor` in its half dtype.
@@ -64,27 +64,18 @@ enum Opmath {
     Asinh,
 }
 
-fn widened<X: Backend>(tensor: FloatTensor<X>) -> FloatTensor<X> {
-    X::float_cast(tensor, FloatDType::F32)
-}
-
 impl Elementwise for Opmath {
     fn forward<X: Backend>(self, x: FloatTensor<X>) -> FloatTensor<X> {
-        let dtype = FloatDType::from(x.dtype());
-        let x = widened::<X>(x);
-        let y = match self {
+        in_f32::<X, 1>([x], |[x]| match self {
             Opmath::Gelu => X::gelu(x),
             Opmath::Tanh => X::float_tanh(x),
             Opmath::Asinh => X::float_asinh(x),
-        };
-        X::float_cast(y, dtype)
+        })
     }
 
     fn backward<X: Backend>(self, x: FloatTensor<X>, grad: FloatTensor<X>) -> FloatTensor<X> {
-        let dtype = FloatDType::from(x.dtype());
-        let (x, grad) = (widened::<X>(x), widened::<X>(grad));
         let one = Scalar::Float(1.0);
-        let dx = match self {
+        in_f32::<X, 2>([x, grad], |[x, grad]| match self {
             Opmath::Gelu => X::gelu_backward(x, grad),
             // 1 - tanh(x)², from the input in f32 (burn-autodiff's from the half output).
             Opmath::Tanh => {
@@ -96,7 +87,6 @@ impl Elementwise for Opmath {
                 let squared = X::float_mul(x.clone(), x);
                 X::float_div(grad, X::float_sqrt(X::float_add_scalar(squared, one)))
             }
-        };
-        X::float_cast(dx, dtype)
+        })
     }
 }

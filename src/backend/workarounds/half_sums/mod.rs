@@ -33,7 +33,6 @@ use std::cell::Cell;
 use burn_backend::ops::{ConvOptions, ConvTransposeOptions};
 use burn_backend::tensor::FloatTensor;
 use burn_backend::{Backend, DType, TensorMetadata};
-use burn_std::FloatDType;
 
 mod node;
 
@@ -66,16 +65,6 @@ pub(crate) fn matmul_sums_in_half<B: Backend>(dtype: DType) -> bool {
     dtype == DType::F16 && super::on_flex::<B>() && is_enabled()
 }
 
-/// `op` on `inputs` widened to f32, the result rounded back to the first one's dtype.
-fn in_f32<B: Backend, const N: usize>(
-    inputs: [FloatTensor<B>; N],
-    op: impl FnOnce([FloatTensor<B>; N]) -> FloatTensor<B>,
-) -> FloatTensor<B> {
-    let dtype = FloatDType::from(inputs[0].dtype());
-    let inputs = inputs.map(|t| B::float_cast(t, FloatDType::F32));
-    B::float_cast(op(inputs), dtype)
-}
-
 /// The backward kernels `Amp` runs below autodiff (`Autodiff<Amp<B>>`), on the half tensors
 /// burn-autodiff saved, as the forwards above.
 macro_rules! backward_ops {
@@ -85,7 +74,7 @@ macro_rules! backward_ops {
         ) -> FloatTensor<B> {
             let inputs = [$($t),+];
             if $sums::<B>(inputs[0].dtype()) {
-                return in_f32::<B, _>(inputs, |[$($t),+]| B::$name($($t,)+ $($options)?));
+                return super::in_f32::<B, _>(inputs, |[$($t),+]| B::$name($($t,)+ $($options)?));
             }
             let [$($t),+] = inputs;
             B::$name($($t,)+ $($options)?)

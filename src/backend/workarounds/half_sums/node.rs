@@ -20,6 +20,7 @@ use burn_backend::tensor::FloatTensor;
 use burn_backend::{Backend, TensorMetadata};
 use burn_std::{FloatDType, Shape};
 
+use super::super::in_f32;
 use crate::backend::concrete::{AutodiffTensor, Visit, dispatch, moved};
 
 /// An op that sums products, with its options. Its inputs: `x`, `weight` (a matmul's
@@ -106,10 +107,10 @@ impl Summed {
         weight: FloatTensor<B>,
         bias: Option<FloatTensor<B>>,
     ) -> FloatTensor<B> {
-        let dtype = FloatDType::from(x.dtype());
-        let wide = |t| B::float_cast(t, FloatDType::F32);
-        let out = self.forward::<B>(wide(x), wide(weight), bias.map(wide));
-        B::float_cast(out, dtype)
+        let bias = bias.map(|b| B::float_cast(b, FloatDType::F32));
+        in_f32::<B, 2>([x, weight], |[x, weight]| {
+            self.forward::<B>(x, weight, bias)
+        })
     }
 
     /// Which of `x` and the weight the gradients of the `tracked` inputs (`x`, weight, bias)
