@@ -63,6 +63,8 @@ mod infinities;
 mod int_pow;
 #[path = "../../tests/autocast_numerics/interpolate.rs"]
 mod interpolate;
+#[path = "../../tests/autocast_numerics/modules.rs"]
+mod modules;
 #[path = "../../tests/autocast_numerics/nan_propagation.rs"]
 mod nan_propagation;
 #[path = "../../tests/autocast_numerics/opmath.rs"]
@@ -129,6 +131,10 @@ fn at_precision<T: Target>() -> Vec<(&'static str, AtPrecision<T>)> {
         (
             "deform_conv: against f32 at large coordinates",
             deform_conv::deform_conv_matches_f32::<F<T>> as AtPrecision<T>,
+        ),
+        (
+            "modules: 34 burn-nn modules and losses, loss, gradients and state against f32",
+            modules::check_modules::<F<T>> as AtPrecision<T>,
         ),
         (
             "attention: softmax in f32 (large logits, 70,000 keys), gradients",
@@ -212,6 +218,18 @@ pub fn run<T: Target>(
                     "Flex's values and gradients under Amp; plain {} gets wrong: {}",
                     T::NAME,
                     plain.join(", ")
+                ))
+            }),
+        ),
+        (
+            "deform_conv2d's offset and mask gradients (wrong in burn-cubecl 0.21) against Flex's",
+            Box::new(move || {
+                let plain =
+                    deform_conv::deform_conv_gradients_match_flex::<F<T>>(device, matmul_tolerance);
+                Ok(format!(
+                    "2 options x mask x bias within {matmul_tolerance:e} of Flex, Amp above and \
+                     below autodiff; plain {}'s offset gradient {plain:.2e} from Flex's",
+                    T::NAME
                 ))
             }),
         ),

@@ -120,7 +120,7 @@ impl<B: Backend> ModuleOps<Self> for Amp<B> {
         autocast_input!(see opt autocast bias);
         autocast_input!(see t autocast output_grad);
         let plan = autocast.plan();
-        let grads = B::deform_conv2d_backward(
+        let grads = crate::backend::workarounds::deform_conv2d_backward::<B>(
             plan.cast::<B>(x),
             plan.cast::<B>(offset),
             plan.cast::<B>(weight),

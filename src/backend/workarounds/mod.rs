@@ -57,6 +57,9 @@
 //! cross-entropy on a probability of 0 or 1): `Amp` runs `log_sigmoid` on a finite stand-in
 //! there, and gives those backwards 0 where the derivative is infinite and nothing flowed
 //! back, in nodes of its own ([`infinities`]).
+//! **CubeCL's `deform_conv2d` backward reads the first tap's column for every tap** (wrong
+//! offset and mask gradients for any kernel above 1×1): `Amp` composes both from the forward
+//! ([`deform_conv`]).
 //! **`grid_sample_2d` is bilinear only** outside Flex (CubeCL panics on other modes,
 //! burn-autodiff's composition is bilinear only), Flex has no bicubic and rounds nearest's
 //! ties away from zero: `Amp` composes nearest and bicubic from gathers, as PyTorch samples
@@ -82,6 +85,7 @@
 //! AMP promises f32 sums of half products: `Amp` runs them on the half values widened to f32
 //! and rounds the result.
 
+mod deform_conv;
 mod elementwise_node;
 pub(crate) mod empty;
 mod fft;
@@ -99,6 +103,7 @@ mod pooling;
 mod products;
 mod repeat;
 
+pub(crate) use deform_conv::deform_conv2d_backward;
 pub(crate) use empty::{
     adaptive_avg_pool1d, adaptive_avg_pool2d, avg_pool2d, bool_all, bool_all_dim, bool_any,
     bool_any_dim, bool_cat, bool_expand, bool_gather, bool_ones, bool_permute, bool_repeat_dim,

@@ -14,7 +14,7 @@ use burn_backend::{Backend, TensorMetadata, get_device_settings};
 use burn_std::{MetadataError, Shape};
 
 use super::super::half_sums::{self, Summed};
-use super::super::{grid_sample, interpolate as interpolated, nan, pooling};
+use super::super::{deform_conv, grid_sample, interpolate as interpolated, nan, pooling};
 use super::ops::{empty_like, with_indices};
 use super::{Fill, constant, float_dtype, is_empty};
 
@@ -88,7 +88,7 @@ pub(crate) fn deform_conv2d<B: Backend>(
             return constant::<B>(inputs, shape, dtype, Fill::Empty);
         }
     }
-    B::deform_conv2d(x, offset, weight, mask, bias, options)
+    deform_conv::deform_conv2d::<B>(x, offset, weight, mask, bias, options)
 }
 
 /// `grid_sample_2d(tensor [n, c, h, w], grid [n, h_out, w_out, 2])`: `[n, c, h_out, w_out]`,

@@ -1,0 +1,573 @@
+//! burn-nn's modules and losses as a model holds them, under autocast, against the same
+//! module in f32: "any Burn model trains unchanged" checked one building block at a time.
+//!
+//! Each case builds a module on `Autodiff<Flex>` in f32, runs a forward and a loss, and reads
+//! the loss, every parameter's gradient, every tracked input's gradient and any state the
+//! forward updates (batch norm's running statistics). The same module (its record, loaded)
+//! then runs on `Amp<Autodiff<B>>` under `autocast(precision)`, and each value is held to the
+//! f32 one: relative L2 error at most [`tolerance`]. Inputs are on the bf16 grid, so what is
+//! measured is what the lowered ops cost, not the rounding of the data.
+//!
+//! The op-level checks (`tests/autocast_ops.rs`, `gradient_check`) see each op alone; these
+//! see the compositions burn-nn writes (a norm's mean and variance, an RNN's gates over time,
+//! attention's masks, RoPE's rotation matrix, CTC's recursion, the losses' reductions), where
+//! a half intermediate between two f32 ops is what breaks.
+
+use burn::backend::{Autodiff, Flex};
+use burn::module::{Module, ModuleVisitor, Param};
+use burn::nn::attention::{CrossAttentionConfig, MhaInput, MultiHeadAttentionConfig};
+use burn::nn::conv::{
+    Conv1dConfig, Conv2dConfig, Conv3dConfig, ConvTranspose2dConfig, DeformConv2dConfig,
+};
+use burn::nn::loss::{
+    BinaryCrossEntropyLossConfig, CTCLossConfig, CosineEmbeddingLossConfig, CrossEntropyLossConfig,
+    HuberLossConfig, KLDivLossConfig, MseLoss, PoissonNllLossConfig, Reduction, SmoothL1LossConfig,
+};
+use burn::nn::pool::{AdaptiveAvgPool2dConfig, MaxPool2dConfig};
+use burn::nn::transformer::{
+    PositionWiseFeedForwardConfig, TransformerDecoderConfig, TransformerDecoderInput,
+    TransformerEncoderConfig, TransformerEncoderInput,
+};
+use burn::nn::{
+    BatchNormConfig, BiLstmConfig, EmbeddingConfig, GroupNormConfig, GruConfig, InstanceNormConfig,
+    LayerNormConfig, LinearConfig, LstmConfig, PReluConfig, PaddingConfig2d,
+    PositionalEncodingConfig, RmsNormConfig, RotaryEncodingConfig, SwiGluConfig,
+};
+use burn::tensor::backend::AutodiffBackend;
+use burn::tensor::{Int, TensorData, activation};
+use burn_amp::{Amp, autocast};
+
+use super::common::models::materialize;
+use super::common::{load, save};
+use super::*;
+
+/// What one run of a case gives, in order: the loss, then each parameter's gradient (in the
+/// module's visiting order), each tracked input's, each recorded state.
+struct Run {
+    values: Vec<(String, Vec<f32>)>,
+    grad_dtypes: Vec<(String, DType)>,
+}
+
+/// A named value (a gradient, an output) in f32, with the dtype it came in.
+type Named = (String, Vec<f32>, DType);
+/// Reads a module's parameter gradients after the backward.
+type ParamReader<B> = Box<dyn Fn(&<B as AutodiffBackend>::Gradients) -> Vec<Named>>;
+/// Reads a tracked input's gradient after the backward.
+type InputReader<B> = Box<dyn Fn(&<B as AutodiffBackend>::Gradients) -> Option<(Vec<f32>, DType)>>;
+
+/// The context a case builds its module and inputs in.
+struct Cx<B: AutodiffBackend> {
+    device: B::Device,
+    /// The reference's records, loaded into the case's modules on the stack under test.
+    weights: Option<Vec<Vec<u8>>>,
+    /// The records of the modules the reference built, in order.
+    saved: Vec<Vec<u8>>,
+    draws: Box<dyn FnMut() -> f32>,
+    params: Vec<ParamReader<B>>,
+    inputs: Vec<(String, InputReader<B>)>,
+    states: Vec<(String, Vec<f32>)>,
+    /// Whether the loss is [`Cx::project`]'s, rather than a loss function's.
+    projected: bool,
+}
+
+impl<B: AutodiffBackend> Cx<B> {
+    fn new(device: B::Device, weights: Option<Vec<Vec<u8>>>) -> Self {
+        Cx {
+            device,
+            weights,
+            saved: Vec::new(),
+            draws: Box::new(uniform(2026)),
+            params: Vec::new(),
+            inputs: Vec::new(),
+            states: Vec::new(),
+            projected: false,
+        }
+    }
+
+    /// The case's module: as initialised on the reference, with the reference's weights on
+    /// the stack under test. Its parameters' gradients are read after the backward.
+    fn module<M: Module<B> + 'static>(&mut self, module: M) -> M {
+        let n = self.params.len();
+        let module = match &self.weights {
+            Some(weights) => module.load_record(load::<B, _>(weights[n].clone(), &self.device)),
+            None => {
+                // Burn initialises lazily, per clone: give the weights their values once.
+                let module = materialize(module);
+                self.saved.push(save::<B, _>(module.clone().into_record()));
+                module
+            }
+        };
+        let kept = module.clone();
+        self.params.push(Box::new(move |grads| {
+            let mut visitor = ParamGrads::<B> {
+                grads,
+                module: n,
+                out: Vec::new(),
+            };
+            kept.visit(&mut visitor);
+            visitor.out
+        }));
+        module
+    }
+
+    /// Values in `[lo, hi)` on the bf16 grid.
+    fn data<const D: usize>(&mut self, shape: [usize; D], lo: f32, hi: f32) -> Tensor<B, D> {
+        let n = shape.iter().product();
+        let v: Vec<f32> = (0..n)
+            .map(|_| on_grid(lo + (hi - lo) * (self.draws)()))
+            .collect();
+        Tensor::from_data(TensorData::new(v, shape), &self.device)
+    }
+
+    /// A tracked f32 input in `[lo, hi)`, whose gradient is compared.
+    fn input<const D: usize>(
+        &mut self,
+        name: &str,
+        shape: [usize; D],
+        lo: f32,
+        hi: f32,
+    ) -> Tensor<B, D> {
+        let x = self.data(shape, lo, hi).require_grad();
+        let kept = x.clone();
+        self.inputs.push((
+            name.to_string(),
+            Box::new(move |grads| {
+                kept.grad(grads)
+                    .map(|g| (g.dtype(), values(g)))
+                    .map(|(d, v)| (v, d))
+            }),
+        ));
+        x
+    }
+
+    fn ints<const D: usize>(&mut self, shape: [usize; D], below: usize) -> Tensor<B, D, Int> {
+        let n = shape.iter().product();
+        let v: Vec<i64> = (0..n)
+            .map(|_| ((self.draws)() * below as f32) as i64 % below as i64)
+            .collect();
+        Tensor::from_data(TensorData::new(v, shape), &self.device)
+    }
+
+    /// A state the forward left (compared, not differentiated).
+    fn state<const D: usize>(&mut self, name: &str, t: Tensor<B, D>) {
+        self.states.push((name.to_string(), values(t)));
+    }
+
+    /// `sum(out * r)` for fixed weights `r` in [-1, 1): every output element's gradient is
+    /// different, so a wrong one cannot hide in a symmetric sum.
+    /// The output is compared, element by element; the sum, where terms cancel, is not.
+    fn project<const D: usize>(&mut self, out: Tensor<B, D>) -> Tensor<B, 1> {
+        self.projected = true;
+        let name = format!("output {}", self.states.len());
+        self.state(&name, out.clone());
+        let r = self.data(out.dims(), -1.0, 1.0);
+        (out * r).sum()
+    }
+}
+
+struct ParamGrads<'a, B: AutodiffBackend> {
+    grads: &'a B::Gradients,
+    module: usize,
+    out: Vec<Named>,
+}
+
+impl<B: AutodiffBackend> ModuleVisitor<B> for ParamGrads<'_, B> {
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+        let name = format!("module {} parameter {}", self.module, self.out.len());
+        if let Some(g) = param.val().grad(self.grads) {
+            self.out.push((name, values(g.clone()), g.dtype()));
+        }
+    }
+}
+
+type Case<B> = fn(&mut Cx<B>) -> Tensor<B, 1>;
+
+fn run<B: AutodiffBackend>(
+    case: Case<B>,
+    device: B::Device,
+    weights: Option<Vec<Vec<u8>>>,
+    precision: Option<Precision>,
+) -> (Run, Vec<Vec<u8>>) {
+    let mut cx = Cx::<B>::new(device, weights);
+    let _guard = precision.map(autocast);
+    let loss = case(&mut cx);
+    let mut values = Vec::new();
+    if !cx.projected {
+        values.push(("loss".to_string(), self::values(loss.clone())));
+    }
+    let grads = loss.backward();
+    let mut grad_dtypes = Vec::new();
+    for params in &cx.params {
+        for (name, v, dtype) in params(&grads) {
+            grad_dtypes.push((name.clone(), dtype));
+            values.push((name, v));
+        }
+    }
+    for (name, grad) in &cx.inputs {
+        let (v, dtype) = grad(&grads).unwrap_or_else(|| panic!("{name} got no gradient"));
+        grad_dtypes.push((name.clone(), dtype));
+        values.push((format!("d {name}"), v));
+    }
+    values.append(&mut cx.states);
+    (
+        Run {
+            values,
+            grad_dtypes,
+        },
+        std::mem::take(&mut cx.saved),
+    )
+}
+
+fn rms(v: &[f32]) -> f32 {
+    (v.iter().map(|x| x * x).sum::<f32>() / v.len().max(1) as f32).sqrt()
+}
+
+fn largest_rms(values: &[(String, Vec<f32>)]) -> f32 {
+    values.iter().map(|(_, v)| rms(v)).fold(0.0, f32::max)
+}
+
+/// `‖got − want‖ / ‖want‖`; but a value zero by symmetry (a key projection's bias under
+/// softmax, a bias before a batch norm: f32 gives rounding noise, below `1e-4 × scale` in
+/// root mean square) is measured as `rms(got) / scale`, half precision's rounding of the
+/// terms it sums against the case's largest value.
+fn error(got: &[f32], want: &[f32], scale: f32) -> f32 {
+    if rms(want) < 1e-4 * scale {
+        rms(got) / scale
+    } else {
+        rel_l2(got, want)
+    }
+}
+
+/// The largest relative L2 error allowed against f32, for a value a case's ops lower.
+fn tolerance(precision: Precision) -> f32 {
+    match precision {
+        Precision::Bf16 => 3e-2,
+        _ => 5e-3,
+    }
+}
+
+pub(crate) fn check_modules<X: Backend>(device: &X::Device, precision: Precision) {
+    let mut failures = Vec::new();
+    let cases = cases::<Autodiff<Flex>>()
+        .into_iter()
+        .zip(cases::<Amp<Autodiff<X>>>());
+    for ((name, reference), (_, amp)) in cases {
+        let (want, weights) = run(reference, Default::default(), None, None);
+        let (got, _) = run(amp, device.clone(), Some(weights), Some(precision));
+        let scale = largest_rms(&want.values);
+        let mut worst = 0f32;
+        for (what, w) in &want.values {
+            let Some((_, g)) = got.values.iter().find(|(n, _)| n == what) else {
+                failures.push(format!("{name}: no {what}"));
+                continue;
+            };
+            let err = error(g, w, scale);
+            worst = worst.max(err);
+            if !within(err, tolerance(precision)) {
+                failures.push(format!("{name}: {what} error {err:.2e}"));
+            }
+        }
+        if got.values.len() != want.values.len() {
+            failures.push(format!(
+                "{name}: {} values, f32 gave {}",
+                got.values.len(),
+                want.values.len()
+            ));
+        }
+        for (what, dtype) in &got.grad_dtypes {
+            if *dtype != DType::F32 {
+                failures.push(format!("{name}: {what}'s gradient is {dtype:?}, not f32"));
+            }
+        }
+        eprintln!("  {name}: worst error {worst:.2e}");
+    }
+    assert!(
+        failures.is_empty(),
+        "{} {precision}:\n{}",
+        std::any::type_name::<X>(),
+        failures.join("\n")
+    );
+}
+
+flex_and_wgpu_tests!(check_modules: modules_f16_flex, modules_bf16_flex, modules_f16_wgpu);
+
+const D: usize = 16;
+const SEQ: usize = 6;
+const BATCH: usize = 2;
+
+fn cases<B: AutodiffBackend>() -> Vec<(&'static str, Case<B>)> {
+    vec![
+        ("Linear", |cx| {
+            let m = cx.module(LinearConfig::new(D, D).init(&cx.device));
+            let x = cx.input("x", [BATCH, SEQ, D], -1.0, 1.0);
+            let out = m.forward(x);
+            cx.project(out)
+        }),
+        ("Conv1d", |cx| {
+            let m = cx.module(Conv1dConfig::new(4, 6, 3).init(&cx.device));
+            let x = cx.input("x", [BATCH, 4, 12], -1.0, 1.0);
+            let out = m.forward(x);
+            cx.project(out)
+        }),
+        ("Conv2d, groups and dilation", |cx| {
+            let conv = Conv2dConfig::new([4, 6], [3, 3])
+                .with_groups(2)
+                .with_dilation([2, 1])
+                .with_padding(PaddingConfig2d::Same);
+            let m = cx.module(conv.init(&cx.device));
+            let x = cx.input("x", [BATCH, 4, 8, 8], -1.0, 1.0);
+            let out = m.forward(x);
+            cx.project(out)
+        }),
+        ("Conv3d", |cx| {
+            let m = cx.module(Conv3dConfig::new([3, 4], [2, 2, 2]).init(&cx.device));
+            let x = cx.input("x", [BATCH, 3, 4, 4, 4], -1.0, 1.0);
+            let out = m.forward(x);
+            cx.project(out)
+        }),
+        ("ConvTranspose2d", |cx| {
+            let conv = ConvTranspose2dConfig::new([4, 3], [3, 3]).with_stride([2, 2]);
+            let m = cx.module(conv.init(&cx.device));
+            let x = cx.input("x", [BATCH, 4, 5, 5], -1.0, 1.0);
+            let out = m.forward(x);
+            cx.project(out)
+        }),
+        ("DeformConv2d", |cx| {
+            let m = cx.module(DeformConv2dConfig::new([3, 4], [3, 3]).init(&cx.device));
+            let x = cx.input("x", [BATCH, 3, 6, 6], -1.0, 1.0);
+            let offset = cx.input("offset", [BATCH, 18, 4, 4], -0.7, 0.7);
+            let out = m.forward(x, offset, None);
+            cx.project(out)
+        }),
+        ("Embedding, then Linear", |cx| {
+            let emb = cx.module(EmbeddingConfig::new(20, D).init(&cx.device));
+            let lin = cx.module(LinearConfig::new(D, D).init(&cx.device));
+            let ids = cx.ints([BATCH, SEQ], 20);
+            let out = lin.forward(emb.forward(ids));
+            cx.project(out)
+        }),
+        ("LayerNorm of a Linear", |cx| {
+            let lin = cx.module(LinearConfig::new(D, D).init(&cx.device));
+            let norm = cx.module(LayerNormConfig::new(D).init(&cx.device));
+            let x = cx.input("x", [BATCH, SEQ, D], 2.0, 4.0);
+            let out = norm.forward(lin.forward(x));
+            cx.project(out)
+        }),
+        ("RmsNorm of a Linear", |cx| {
+            let lin = cx.module(LinearConfig::new(D, D).init(&cx.device));
+            let norm = cx.module(RmsNormConfig::new(D).init(&cx.device));
+            let x = cx.input("x", [BATCH, SEQ, D], -1.0, 1.0);
+            let out = norm.forward(lin.forward(x));
+            cx.project(out)
+        }),
+        ("GroupNorm", |cx| {
+            let norm = cx.module(GroupNormConfig::new(2, 4).init(&cx.device));
+            let x = cx.input("x", [BATCH, 4, 5, 5], 3.0, 5.0);
+            let out = norm.forward(x);
+            cx.project(out)
+        }),
+        ("InstanceNorm", |cx| {
+            let norm = cx.module(InstanceNormConfig::new(4).init(&cx.device));
+            let x = cx.input("x", [BATCH, 4, 5, 5], 3.0, 5.0);
+            let out = norm.forward(x);
+            cx.project(out)
+        }),
+        ("BatchNorm of a Conv2d, with its running statistics", |cx| {
+            let conv = cx.module(Conv2dConfig::new([3, 4], [3, 3]).init(&cx.device));
+            let norm = cx.module(BatchNormConfig::new(4).init(&cx.device));
+            let x = cx.input("x", [BATCH, 3, 6, 6], 0.0, 2.0);
+            let out = norm.forward(conv.forward(x));
+            cx.state("running mean", norm.running_mean.value());
+            cx.state("running variance", norm.running_var.value());
+            cx.project(out)
+        }),
+        ("PRelu", |cx| {
+            let lin = cx.module(LinearConfig::new(D, D).init(&cx.device));
+            let act = cx.module(PReluConfig::new().with_num_parameters(D).init(&cx.device));
+            let x = cx.input("x", [BATCH, D], -1.0, 1.0);
+            let out = act.forward(lin.forward(x));
+            cx.project(out)
+        }),
+        ("SwiGlu", |cx| {
+            let m = cx.module(SwiGluConfig::new(D, D).with_bias(true).init(&cx.device));
+            let x = cx.input("x", [BATCH, SEQ, D], -1.0, 1.0);
+            let out = m.forward(x);
+            cx.project(out)
+        }),
+        ("PositionWiseFeedForward", |cx| {
+            let m = cx.module(
+                PositionWiseFeedForwardConfig::new(D, 2 * D)
+                    .with_dropout(0.0)
+                    .init(&cx.device),
+            );
+            let x = cx.input("x", [BATCH, SEQ, D], -1.0, 1.0);
+            let out = m.forward(x);
+            cx.project(out)
+        }),
+        ("Lstm", |cx| {
+            let m = cx.module(LstmConfig::new(D, D, true).init(&cx.device));
+            let x = cx.input("x", [BATCH, SEQ, D], -1.0, 1.0);
+            let (out, state) = m.forward(x, None);
+            let out = cx.project(out);
+            out + cx.project(state.cell)
+        }),
+        ("BiLstm", |cx| {
+            let m = cx.module(BiLstmConfig::new(D, D, true).init(&cx.device));
+            let x = cx.input("x", [BATCH, SEQ, D], -1.0, 1.0);
+            let (out, _) = m.forward(x, None);
+            cx.project(out)
+        }),
+        ("Gru", |cx| {
+            let m = cx.module(GruConfig::new(D, D, true).init(&cx.device));
+            let x = cx.input("x", [BATCH, SEQ, D], -1.0, 1.0);
+            let out = m.forward(x, None);
+            cx.project(out)
+        }),
+        ("MultiHeadAttention, padding mask", |cx| {
+            let m = cx.module(
+                MultiHeadAttentionConfig::new(D, 4)
+                    .with_dropout(0.0)
+                    .init(&cx.device),
+            );
+            let x = cx.input("x", [BATCH, SEQ, D], -1.0, 1.0);
+            let pad = Tensor::<B, 1, Int>::arange(0..SEQ as i64, &cx.device)
+                .reshape([1, SEQ])
+                .repeat_dim(0, BATCH)
+                .greater_equal_elem(SEQ as i64 - 2);
+            let out = m.forward(MhaInput::self_attn(x).mask_pad(pad)).context;
+            cx.project(out)
+        }),
+        ("CrossAttention", |cx| {
+            let m = cx.module(
+                CrossAttentionConfig::new(D, 8, 4, 2, 4)
+                    .with_dropout(0.0)
+                    .init(&cx.device),
+            );
+            let q = cx.input("query", [BATCH, SEQ, D], -1.0, 1.0);
+            let c = cx.input("context", [BATCH, SEQ + 3, 8], -1.0, 1.0);
+            let out = m.forward(q, c, None);
+            cx.project(out)
+        }),
+        ("TransformerEncoder, norm first, causal", |cx| {
+            let config = TransformerEncoderConfig::new(D, 2 * D, 4, 2)
+                .with_norm_first(true)
+                .with_dropout(0.0);
+            let m = cx.module(config.init(&cx.device));
+            let x = cx.input("x", [BATCH, SEQ, D], -1.0, 1.0);
+            let mask = burn::nn::attention::generate_autoregressive_mask(BATCH, SEQ, &cx.device);
+            let out = m.forward(TransformerEncoderInput::new(x).mask_attn(mask));
+            cx.project(out)
+        }),
+        ("TransformerDecoder", |cx| {
+            let config = TransformerDecoderConfig::new(D, 2 * D, 4, 1).with_dropout(0.0);
+            let m = cx.module(config.init(&cx.device));
+            let target = cx.input("target", [BATCH, SEQ, D], -1.0, 1.0);
+            let memory = cx.input("memory", [BATCH, SEQ + 2, D], -1.0, 1.0);
+            let out = m.forward(TransformerDecoderInput::new(target, memory));
+            cx.project(out)
+        }),
+        ("RotaryEncoding of a Linear", |cx| {
+            let lin = cx.module(LinearConfig::new(D, D).init(&cx.device));
+            let rope = RotaryEncodingConfig::new(64, D).init::<B>(&cx.device);
+            let x = cx.input("x", [BATCH, 40, D], -1.0, 1.0);
+            let out = rope.forward(lin.forward(x).slice([0..BATCH, 8..40]));
+            cx.project(out)
+        }),
+        ("PositionalEncoding", |cx| {
+            let lin = cx.module(LinearConfig::new(D, D).init(&cx.device));
+            let pe = PositionalEncodingConfig::new(D).init::<B>(&cx.device);
+            let x = cx.input("x", [BATCH, 40, D], -1.0, 1.0);
+            let out = pe.forward(lin.forward(x));
+            cx.project(out)
+        }),
+        ("MaxPool2d, AdaptiveAvgPool2d", |cx| {
+            let conv = cx.module(Conv2dConfig::new([3, 4], [3, 3]).init(&cx.device));
+            let x = cx.input("x", [BATCH, 3, 9, 9], -1.0, 1.0);
+            let y = MaxPool2dConfig::new([2, 2]).init().forward(conv.forward(x));
+            let out = AdaptiveAvgPool2dConfig::new([2, 2]).init().forward(y);
+            cx.project(out)
+        }),
+        ("CrossEntropy, label smoothing", |cx| {
+            let lin = cx.module(LinearConfig::new(D, 10).init(&cx.device));
+            let x = cx.input("x", [8, D], -2.0, 2.0);
+            let y = cx.ints([8], 10);
+            let loss = CrossEntropyLossConfig::new()
+                .with_smoothing(Some(0.1))
+                .init(&cx.device);
+            loss.forward(lin.forward(x), y)
+        }),
+        ("BinaryCrossEntropy of logits", |cx| {
+            let lin = cx.module(LinearConfig::new(D, 3).init(&cx.device));
+            let x = cx.input("x", [8, D], -2.0, 2.0);
+            let y = cx.ints([8, 3], 2);
+            let loss = BinaryCrossEntropyLossConfig::new()
+                .with_logits(true)
+                .init(&cx.device);
+            loss.forward(lin.forward(x), y)
+        }),
+        ("Mse", |cx| {
+            let lin = cx.module(LinearConfig::new(D, D).init(&cx.device));
+            let x = cx.input("x", [8, D], -2.0, 2.0);
+            let y = cx.data([8, D], -1.0, 1.0);
+            MseLoss::new().forward(lin.forward(x), y, Reduction::Mean)
+        }),
+        ("Huber", |cx| {
+            let lin = cx.module(LinearConfig::new(D, D).init(&cx.device));
+            let x = cx.input("x", [8, D], -2.0, 2.0);
+            let y = cx.data([8, D], -1.0, 1.0);
+            HuberLossConfig::new(0.5)
+                .init()
+                .forward(lin.forward(x), y, Reduction::Mean)
+        }),
+        ("SmoothL1", |cx| {
+            let lin = cx.module(LinearConfig::new(D, D).init(&cx.device));
+            let x = cx.input("x", [8, D], -2.0, 2.0);
+            let y = cx.data([8, D], -1.0, 1.0);
+            SmoothL1LossConfig::new().init().forward_with_reduction(
+                lin.forward(x),
+                y,
+                Reduction::Sum,
+            )
+        }),
+        ("KLDiv of log-softmax", |cx| {
+            let lin = cx.module(LinearConfig::new(D, 10).init(&cx.device));
+            let x = cx.input("x", [8, D], -2.0, 2.0);
+            let target = activation::softmax(cx.data([8, 10], -2.0, 2.0), 1);
+            let log_p = activation::log_softmax(lin.forward(x), 1);
+            KLDivLossConfig::new()
+                .init()
+                .forward(log_p, target, Reduction::BatchMean)
+        }),
+        ("PoissonNll of log rates", |cx| {
+            let lin = cx.module(LinearConfig::new(D, 4).init(&cx.device));
+            let x = cx.input("x", [8, D], -1.0, 1.0);
+            let y = cx.data([8, 4], 0.0, 5.0);
+            PoissonNllLossConfig::new()
+                .init()
+                .forward(lin.forward(x), y, Reduction::Mean)
+        }),
+        ("CosineEmbedding", |cx| {
+            let lin = cx.module(LinearConfig::new(D, D).init(&cx.device));
+            let a = cx.input("a", [8, D], -1.0, 1.0);
+            let b = cx.data([8, D], -1.0, 1.0);
+            let y = cx.ints([8], 2).mul_scalar(2).sub_scalar(1);
+            CosineEmbeddingLossConfig::new()
+                .init()
+                .forward(lin.forward(a), b, y)
+        }),
+        ("CTC of log-softmax", |cx| {
+            let lin = cx.module(LinearConfig::new(D, 5).init(&cx.device));
+            let x = cx.input("x", [30, BATCH, D], -1.0, 1.0);
+            let log_p = activation::log_softmax(lin.forward(x), 2);
+            let targets = cx.ints([BATCH, 8], 4).add_scalar(1);
+            let lengths = |v: [i64; BATCH], device| Tensor::<B, 1, Int>::from_data(v, device);
+            CTCLossConfig::new().init().forward_with_reduction(
+                log_p,
+                targets,
+                lengths([30, 24], &cx.device),
+                lengths([8, 6], &cx.device),
+                Reduction::Mean,
+            )
+        }),
+    ]
+}
