@@ -5,6 +5,8 @@
 //!   own);
 //! - the price of summing f16 matmuls and convolutions in f32 (`half_sums`): a step of two
 //!   3×3 convolutions on wgpu and of the MLP on Flex, against the half sums Burn runs;
+//! - the price of right `deform_conv2d` offset and mask gradients on wgpu (composed from the
+//!   forward) against plain Burn's (wrong ones);
 //! - memory: the peak device memory in use of one training step of an activation-heavy MLP,
 //!   `Amp<Autodiff<Wgpu>>` in f16 against `Autodiff<Wgpu>` in f32 on lavapipe (target <= 0.6).
 //!
@@ -317,6 +319,47 @@ fn half_sums_cost(iters: usize, quick: bool) -> [Option<(Duration, Duration)>; 2
     [conv, Some(mlp)]
 }
 
+/// A step of a 3×3 deformable convolution with a mask (wgpu, f32): under `Amp`, whose offset
+/// and mask gradients are composed from the forward, against plain Burn (whose are wrong).
+fn deform_conv_cost(iters: usize, quick: bool) -> Option<(Duration, Duration)> {
+    use burn::tensor::Distribution;
+    use burn::tensor::module::deform_conv2d;
+    use burn::tensor::ops::DeformConvOptions;
+    let device = common::wgpu_device()?;
+    let _f32 = autocast(Precision::F32);
+    let (batch, channels, side) = if quick { (2, 4, 8) } else { (8, 32, 32) };
+    let out = side - 2;
+    fn step<B: AutodiffBackend>(
+        device: &B::Device,
+        [batch, channels, side, out]: [usize; 4],
+    ) -> impl FnMut() + use<B> {
+        let t = |shape: [usize; 4], d| Tensor::<B, 4>::random(shape, d, device).require_grad();
+        let x = t([batch, channels, side, side], Distribution::Default);
+        let offset = t([batch, 18, out, out], Distribution::Uniform(-1.5, 1.5));
+        let weight = t([channels, channels, 3, 3], Distribution::Normal(0.0, 0.05));
+        let mask = t([batch, 9, out, out], Distribution::Default);
+        let device = device.clone();
+        move || {
+            let y = deform_conv2d(
+                x.clone(),
+                offset.clone(),
+                weight.clone(),
+                Some(mask.clone()),
+                None,
+                DeformConvOptions::new([1, 1], [0, 0], [1, 1], 1, 1),
+            );
+            let _grads = y.powi_scalar(2).mean().backward();
+            B::sync(&device).unwrap();
+        }
+    }
+    let dims = [batch, channels, side, out];
+    Some(side_by_side(
+        iters.min(10),
+        step::<Amp<Autodiff<Wgpu>>>(&device, dims),
+        step::<Autodiff<Wgpu>>(&device, dims),
+    ))
+}
+
 fn main() {
     mode::ensure_runtime_dir();
     let quick = mode::quick();
@@ -324,6 +367,7 @@ fn main() {
 
     let [(mlp_a, mlp_p), (elu_a, elu_p), (lm_a, lm_p)] = overhead(iters);
     let [conv_sums, mlp_sums] = half_sums_cost(iters, quick);
+    let deform = deform_conv_cost(iters, quick);
     let ratio = |a: Duration, b: Duration| a.as_secs_f64() / b.as_secs_f64();
     let (mlp_ratio, elu_ratio, lm_ratio) =
         (ratio(mlp_a, mlp_p), ratio(elu_a, elu_p), ratio(lm_a, lm_p));
@@ -424,6 +468,15 @@ fn main() {
             None => println!("| {name}: no wgpu adapter | | | | |"),
         }
     }
+    match deform {
+        Some((amp, plain)) => println!(
+            "| deform_conv2d 3x3 with mask, 32 ch, 8x32x32, fwd+bwd, Wgpu f32: Amp (right offset and mask gradients) vs plain Burn (wrong) | {:.3} ms | {:.3} ms | {:.3} | (the price of right gradients) |",
+            amp.as_secs_f64() * 1e3,
+            plain.as_secs_f64() * 1e3,
+            ratio(amp, plain)
+        ),
+        None => println!("| deform_conv2d: no wgpu adapter | | | | |"),
+    }
     println!(
         "| host reads per f16 scaled step: fused AdamW / Burn's Adam | {} | {} | | 0 fused |",
         flex.2, flex.3
@@ -450,7 +503,7 @@ fn main() {
         }
     };
     report::emit(&format!(
-        "{{\"bench\":\"autocast\",\"iterations\":{iters},\"overhead_mlp_ratio\":{mlp_ratio:.4},\"overhead_transformer_ratio\":{lm_ratio:.4},\"overhead_elu_mlp_ratio\":{elu_ratio:.4},\"peak_memory_f16_over_f32\":{},\"peak_f16_bytes\":{},\"peak_f32_bytes\":{},\"flex_step_amp_over_f32\":{:.4},\"cuda_step_amp_over_f32\":{},\"host_reads_fused\":{},\"host_reads_adam\":{},\"conv_f32_sums_over_half_sums\":{},\"flex_f16_mlp_f32_sums_over_half_sums\":{}}}",
+        "{{\"bench\":\"autocast\",\"iterations\":{iters},\"overhead_mlp_ratio\":{mlp_ratio:.4},\"overhead_transformer_ratio\":{lm_ratio:.4},\"overhead_elu_mlp_ratio\":{elu_ratio:.4},\"peak_memory_f16_over_f32\":{},\"peak_f16_bytes\":{},\"peak_f32_bytes\":{},\"flex_step_amp_over_f32\":{:.4},\"cuda_step_amp_over_f32\":{},\"host_reads_fused\":{},\"host_reads_adam\":{},\"conv_f32_sums_over_half_sums\":{},\"flex_f16_mlp_f32_sums_over_half_sums\":{},\"deform_conv_amp_over_plain\":{}}}",
         memory_ratio.map_or("null".to_string(), |r| format!("{r:.4}")),
         f16_peak.map_or("null".to_string(), |p| p.0.to_string()),
         f32_peak.map_or("null".to_string(), |p| p.0.to_string()),
@@ -463,5 +516,6 @@ fn main() {
         flex.3,
         conv_sums.map_or("null".to_string(), |(a, b)| format!("{:.4}", ratio(a, b))),
         mlp_sums.map_or("null".to_string(), |(a, b)| format!("{:.4}", ratio(a, b))),
+        deform.map_or("null".to_string(), |(a, b)| format!("{:.4}", ratio(a, b))),
     ));
 }

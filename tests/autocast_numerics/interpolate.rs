@@ -64,7 +64,8 @@ fn interpolation_backpropagates_on_wgpu_as_on_flex() {
     backpropagates_as_on_flex::<Wgpu>(&device, "wgpu", 1e-5);
 }
 
-/// Every mode, both `align_corners`, three sizes, under `Amp<Autodiff<X>>` at F32 and F16:
+/// Every mode, both `align_corners`, three sizes, under `Amp<Autodiff<X>>` and
+/// `Autodiff<Amp<X>>` at F32 and F16:
 /// the output and gradient within `tolerance` of Flex's (relative L2), the adjoint identity
 /// on both (Flex's within 1e-5). The GPU check runs it on CUDA, whose f32 matmuls (the
 /// backward's) may run in TF32 (cubek-matmul's accelerated kernels, picked by autotune).
@@ -100,18 +101,23 @@ pub(crate) fn backpropagates_as_on_flex<X: Backend>(
                 adjoint(&want_grad, loss, "Flex", 1e-5);
                 for precision in [Precision::F32, Precision::F16] {
                     let _g = autocast(precision);
-                    let (y, grad, loss) = run::<Amp<Autodiff<X>>>(&options, out, device);
-                    let err = rel_l2(&y, &want_y);
-                    assert!(
-                        err <= tolerance,
-                        "{what}, {precision:?}: output on {backend} {err:.1e} from Flex's"
-                    );
-                    let err = rel_l2(&grad, &want_grad);
-                    assert!(
-                        err <= tolerance,
-                        "{what}, {precision:?}: gradient on {backend} {err:.1e} from Flex's"
-                    );
-                    adjoint(&grad, loss, backend, tolerance as f64);
+                    let above = run::<Amp<Autodiff<X>>>(&options, out, device);
+                    let below = run::<Autodiff<Amp<X>>>(&options, out, device);
+                    for (stack, (y, grad, loss)) in [("above", above), ("below", below)] {
+                        let err = rel_l2(&y, &want_y);
+                        assert!(
+                            err <= tolerance,
+                            "{what}, {precision:?}, {stack} autodiff: output on {backend} \
+                             {err:.1e} from Flex's"
+                        );
+                        let err = rel_l2(&grad, &want_grad);
+                        assert!(
+                            err <= tolerance,
+                            "{what}, {precision:?}, {stack} autodiff: gradient on {backend} \
+                             {err:.1e} from Flex's"
+                        );
+                        adjoint(&grad, loss, backend, tolerance as f64);
+                    }
                 }
             }
         }

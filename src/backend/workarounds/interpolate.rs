@@ -12,6 +12,8 @@
 //! 1 → 1 axis maps to itself in every mode and either `align_corners`), so they hold the very
 //! weights the forward used. The node keeps no tensor: the backward needs the input's shape
 //! only. Where Burn has the backward (nearest; bilinear and bicubic on Flex), Burn's node.
+//! Below autodiff (`Autodiff<Amp<B>>`) `interpolate_backward` is the same separable backward
+//! where `B` has none.
 
 use core::any::TypeId;
 
@@ -65,6 +67,30 @@ pub(crate) fn interpolate<B: Backend>(
         Ok(Ok(out)) => out,
         Ok(Err(call)) | Err(call) => B::interpolate(call.x, call.output_size, call.options),
     }
+}
+
+/// `B`'s `interpolate_backward` (below autodiff: `Autodiff<Amp<B>>`), the separable backward
+/// where `B` has none.
+pub(crate) fn interpolate_backward<B: Backend>(
+    x: FloatTensor<B>,
+    grad: FloatTensor<B>,
+    output_size: [usize; 2],
+    options: InterpolateOptions,
+) -> FloatTensor<B> {
+    let has_one = match options.mode {
+        InterpolateMode::Nearest => true,
+        InterpolateMode::Lanczos3 => false,
+        _ => super::on_flex::<B>(),
+    };
+    if has_one {
+        return B::interpolate_backward(x, grad, output_size, options);
+    }
+    let shape = x.shape();
+    if shape.num_elements() == 0 || grad.shape().num_elements() == 0 {
+        // No plane, or planes of no pixel: nothing flows back (no matmul of nothing).
+        return B::float_zeros(shape, &B::float_device(&grad), grad.dtype().into());
+    }
+    separable_backward::<B>(grad, &shape, &options)
 }
 
 fn node<X: Backend, C: CheckpointStrategy>(

@@ -139,6 +139,7 @@ pub(crate) use infinities::{
     float_exp, float_log, float_log1p, float_sqrt, log_sigmoid, log_sigmoid_backward,
 };
 pub(crate) use int_pow::{int_powi, int_powi_scalar, int_powi_scalar as int_powi_scalar_impl};
+pub(crate) use interpolate::interpolate_backward;
 pub(crate) use nan::{
     float_atan2, float_clamp, float_clamp_max, float_clamp_min, float_cummax, float_cummin,
     float_powf, float_powf_scalar, float_powf_scalar_impl, float_powi_scalar,
