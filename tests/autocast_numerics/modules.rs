@@ -604,28 +604,20 @@ fn cases<B: AutodiffBackend>() -> Vec<(&'static str, Case<B>)> {
             loss.forward(lin.forward(x), y)
         }),
         ("Mse", |cx| {
-            let lin = cx.module(LinearConfig::new(D, D).init(&cx.device));
-            let x = cx.input("x", [8, D], -2.0, 2.0);
-            let y = cx.data([8, D], -1.0, 1.0);
-            MseLoss::new().forward(lin.forward(x), y, Reduction::Mean)
+            let (prediction, y) = regression(cx);
+            MseLoss::new().forward(prediction, y, Reduction::Mean)
         }),
         ("Huber", |cx| {
-            let lin = cx.module(LinearConfig::new(D, D).init(&cx.device));
-            let x = cx.input("x", [8, D], -2.0, 2.0);
-            let y = cx.data([8, D], -1.0, 1.0);
+            let (prediction, y) = regression(cx);
             HuberLossConfig::new(0.5)
                 .init()
-                .forward(lin.forward(x), y, Reduction::Mean)
+                .forward(prediction, y, Reduction::Mean)
         }),
         ("SmoothL1", |cx| {
-            let lin = cx.module(LinearConfig::new(D, D).init(&cx.device));
-            let x = cx.input("x", [8, D], -2.0, 2.0);
-            let y = cx.data([8, D], -1.0, 1.0);
-            SmoothL1LossConfig::new().init().forward_with_reduction(
-                lin.forward(x),
-                y,
-                Reduction::Sum,
-            )
+            let (prediction, y) = regression(cx);
+            SmoothL1LossConfig::new()
+                .init()
+                .forward_with_reduction(prediction, y, Reduction::Sum)
         }),
         ("KLDiv of log-softmax", |cx| {
             let lin = cx.module(LinearConfig::new(D, 10).init(&cx.device));
@@ -654,12 +646,10 @@ fn cases<B: AutodiffBackend>() -> Vec<(&'static str, Case<B>)> {
                 .forward(lin.forward(a), b, y)
         }),
         ("Lp, p = 3", |cx| {
-            let lin = cx.module(LinearConfig::new(D, D).init(&cx.device));
-            let x = cx.input("x", [8, D], -2.0, 2.0);
-            let y = cx.data([8, D], -1.0, 1.0);
+            let (prediction, y) = regression(cx);
             LpLossConfig::new(3.0)
                 .init()
-                .forward(lin.forward(x), y, Reduction::Mean)
+                .forward(prediction, y, Reduction::Mean)
         }),
         ("RNN-T of logits", |cx| {
             let lin = cx.module(LinearConfig::new(D, 5).init(&cx.device));
@@ -692,4 +682,12 @@ fn cases<B: AutodiffBackend>() -> Vec<(&'static str, Case<B>)> {
             )
         }),
     ]
+}
+
+/// A regression loss's inputs: a `Linear`'s prediction of 8 rows, and fixed targets.
+fn regression<B: AutodiffBackend>(cx: &mut Cx<B>) -> (Tensor<B, 2>, Tensor<B, 2>) {
+    let lin = cx.module(LinearConfig::new(D, D).init(&cx.device));
+    let x = cx.input("x", [8, D], -2.0, 2.0);
+    let y = cx.data([8, D], -1.0, 1.0);
+    (lin.forward(x), y)
 }
