@@ -63,7 +63,7 @@ mod infinities;
 mod int_pow;
 #[path = "../../tests/autocast_numerics/interpolate.rs"]
 mod interpolate;
-#[path = "../../tests/autocast_numerics/modules.rs"]
+#[path = "../../tests/autocast_numerics/modules/mod.rs"]
 mod modules;
 #[path = "../../tests/autocast_numerics/nan_propagation.rs"]
 mod nan_propagation;

@@ -9,7 +9,7 @@
 //! `deform_conv.rs`, `attention.rs`, `probabilities.rs` (which also declares this binary's
 //! counting `#[global_allocator]`, for the SiLU measurement) and `support.rs` the tests;
 //! `cast_cache.rs`, `shared_casts.rs`, `upcast.rs` and `recompute.rs` test what autodiff keeps
-//! under autocast (gradients bitwise, bytes by hand); `modules.rs` burn-nn's modules and
+//! under autocast (gradients bitwise, bytes by hand); `modules/` burn-nn's modules and
 //! losses as a model holds them, against f32.
 
 #[path = "../common/mod.rs"]

@@ -1,5 +1,5 @@
-//! `deform_conv2d`'s offset and mask gradients on CubeCL (wgpu, CUDA), composed from its
-//! forward.
+//! `deform_conv2d`'s offset and mask gradients on CubeCL (wgpu, CUDA), composed from the
+//! pixels each tap samples.
 //!
 //! burn-cubecl 0.21's `deform_col2img_coord_kernel` reads, for every kernel tap, the column
 //! of tap (0, 0): its `col_pos` adds the channel's row but not the tap's. A deformable

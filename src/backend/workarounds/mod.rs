@@ -58,8 +58,8 @@
 //! there, and gives those backwards 0 where the derivative is infinite and nothing flowed
 //! back, in nodes of its own ([`infinities`]).
 //! **CubeCL's `deform_conv2d` backward reads the first tap's column for every tap** (wrong
-//! offset and mask gradients for any kernel above 1×1): `Amp` composes both from the forward
-//! ([`deform_conv`]).
+//! offset and mask gradients for any kernel above 1×1): `Amp` composes both from the pixels
+//! each tap samples ([`deform_conv`]).
 //! **`grid_sample_2d` is bilinear only** outside Flex (CubeCL panics on other modes,
 //! burn-autodiff's composition is bilinear only), Flex has no bicubic and rounds nearest's
 //! ties away from zero: `Amp` composes nearest and bicubic from gathers, as PyTorch samples

@@ -1,0 +1,319 @@
+//! burn-nn's modules and losses as a model holds them, under autocast, against the same
+//! module in f32: "any Burn model trains unchanged" checked one building block at a time.
+//!
+//! Each case builds a module on `Autodiff<Flex>` in f32, runs a forward and a loss, and reads
+//! the loss, every parameter's gradient, every tracked input's gradient and any state the
+//! forward updates (batch norm's running statistics). The same module (its record, loaded)
+//! then runs on `Amp<Autodiff<B>>` and on `Autodiff<Amp<B>>` under `autocast(precision)`,
+//! and each value is held to the f32 one: relative L2 error at most [`tolerance`]. Inputs are
+//! on the bf16 grid, so what is measured is what the lowered ops cost, not the rounding of
+//! the data.
+//!
+//! The op-level checks (`tests/autocast_ops.rs`, `gradient_check`) see each op alone; these
+//! see the compositions burn-nn writes (a norm's mean and variance, an RNN's gates over time,
+//! attention's masks, RoPE's rotation matrix, CTC's recursion, the losses' reductions), where
+//! a half intermediate between two f32 ops is what breaks.
+//!
+//! `cases.rs`: the 40 cases; here the context they build in, the runs and the comparison.
+
+use burn::backend::{Autodiff, Flex};
+use burn::module::{Module, ModuleVisitor, Param};
+use burn::tensor::{Int, TensorData};
+use burn::tensor::backend::AutodiffBackend;
+use burn_amp::{Amp, autocast};
+
+use super::common::models::materialize;
+use super::common::{load, save};
+use super::*;
+
+mod cases;
+
+use cases::cases;
+
+/// What one run of a case gives, in order: the loss, then each parameter's gradient (in the
+/// module's visiting order), each tracked input's, each recorded state.
+struct Run {
+    values: Vec<(String, Vec<f32>)>,
+    grad_dtypes: Vec<(String, DType)>,
+}
+
+/// A named value (a gradient, an output) in f32, with the dtype it came in.
+type Named = (String, Vec<f32>, DType);
+/// Reads a module's parameter gradients after the backward.
+type ParamReader<B> = Box<dyn Fn(&<B as AutodiffBackend>::Gradients) -> Vec<Named>>;
+/// Reads a tracked input's gradient after the backward.
+type InputReader<B> = Box<dyn Fn(&<B as AutodiffBackend>::Gradients) -> Option<(Vec<f32>, DType)>>;
+
+/// The context a case builds its module and inputs in.
+struct Cx<B: AutodiffBackend> {
+    device: B::Device,
+    /// The reference's records, loaded into the case's modules on the stack under test.
+    weights: Option<Vec<Vec<u8>>>,
+    /// The records of the modules the reference built, in order.
+    saved: Vec<Vec<u8>>,
+    draws: Box<dyn FnMut() -> f32>,
+    params: Vec<ParamReader<B>>,
+    inputs: Vec<(String, InputReader<B>)>,
+    states: Vec<(String, Vec<f32>)>,
+    /// Whether the loss is [`Cx::project`]'s, rather than a loss function's.
+    projected: bool,
+}
+
+impl<B: AutodiffBackend> Cx<B> {
+    fn new(device: B::Device, weights: Option<Vec<Vec<u8>>>) -> Self {
+        Cx {
+            device,
+            weights,
+            saved: Vec::new(),
+            draws: Box::new(uniform(2026)),
+            params: Vec::new(),
+            inputs: Vec::new(),
+            states: Vec::new(),
+            projected: false,
+        }
+    }
+
+    /// The case's module: as initialised on the reference, with the reference's weights on
+    /// the stack under test. Its parameters' gradients are read after the backward.
+    fn module<M: Module<B> + 'static>(&mut self, module: M) -> M {
+        let n = self.params.len();
+        let module = match &self.weights {
+            Some(weights) => module.load_record(load::<B, _>(weights[n].clone(), &self.device)),
+            None => {
+                // Burn initialises lazily, per clone: give the weights their values once.
+                let module = materialize(module);
+                self.saved.push(save::<B, _>(module.clone().into_record()));
+                module
+            }
+        };
+        let kept = module.clone();
+        self.params.push(Box::new(move |grads| {
+            let mut visitor = ParamGrads::<B> {
+                grads,
+                module: n,
+                out: Vec::new(),
+            };
+            kept.visit(&mut visitor);
+            visitor.out
+        }));
+        module
+    }
+
+    /// Values in `[lo, hi)` on the bf16 grid.
+    fn data<const D: usize>(&mut self, shape: [usize; D], lo: f32, hi: f32) -> Tensor<B, D> {
+        let n = shape.iter().product();
+        let v: Vec<f32> = (0..n)
+            .map(|_| on_grid(lo + (hi - lo) * (self.draws)()))
+            .collect();
+        Tensor::from_data(TensorData::new(v, shape), &self.device)
+    }
+
+    /// A tracked f32 input in `[lo, hi)`, whose gradient is compared.
+    fn input<const D: usize>(
+        &mut self,
+        name: &str,
+        shape: [usize; D],
+        lo: f32,
+        hi: f32,
+    ) -> Tensor<B, D> {
+        let x = self.data(shape, lo, hi).require_grad();
+        self.track(name, x.clone());
+        x
+    }
+
+    /// Reads `x`'s gradient after the backward.
+    fn track<const D: usize>(&mut self, name: &str, x: Tensor<B, D>) {
+        let read: InputReader<B> = Box::new(move |grads| {
+            let g = x.grad(grads)?;
+            Some((values(g.clone()), g.dtype()))
+        });
+        self.inputs.push((name.to_string(), read));
+    }
+
+    /// A tracked f32 input of distinct values in `[lo, hi)` (a golden-ratio sequence, not on
+    /// the bf16 grid): no ties for a max to break.
+    fn distinct_input<const D: usize>(
+        &mut self,
+        name: &str,
+        shape: [usize; D],
+        lo: f32,
+        hi: f32,
+    ) -> Tensor<B, D> {
+        let n = shape.iter().product();
+        let phi = (5f64.sqrt() - 1.0) / 2.0;
+        let v: Vec<f32> = (0..n)
+            .map(|i| lo + (hi - lo) * ((i as f64 * phi + 0.1).fract() as f32))
+            .collect();
+        let x = Tensor::<B, D>::from_data(TensorData::new(v, shape), &self.device).require_grad();
+        self.track(name, x.clone());
+        x
+    }
+
+    fn ints<const D: usize>(&mut self, shape: [usize; D], below: usize) -> Tensor<B, D, Int> {
+        let n = shape.iter().product();
+        let v: Vec<i64> = (0..n)
+            .map(|_| ((self.draws)() * below as f32) as i64 % below as i64)
+            .collect();
+        Tensor::from_data(TensorData::new(v, shape), &self.device)
+    }
+
+    /// A state the forward left (compared, not differentiated).
+    fn state<const D: usize>(&mut self, name: &str, t: Tensor<B, D>) {
+        self.states.push((name.to_string(), values(t)));
+    }
+
+    /// `sum(out * r)` for fixed weights `r` in [-1, 1): every output element's gradient is
+    /// different, so a wrong one cannot hide in a symmetric sum.
+    /// The output is compared, element by element; the sum, where terms cancel, is not.
+    fn project<const D: usize>(&mut self, out: Tensor<B, D>) -> Tensor<B, 1> {
+        self.projected = true;
+        let name = format!("output {}", self.states.len());
+        self.state(&name, out.clone());
+        let r = self.data(out.dims(), -1.0, 1.0);
+        (out * r).sum()
+    }
+}
+
+struct ParamGrads<'a, B: AutodiffBackend> {
+    grads: &'a B::Gradients,
+    module: usize,
+    out: Vec<Named>,
+}
+
+impl<B: AutodiffBackend> ModuleVisitor<B> for ParamGrads<'_, B> {
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+        let name = format!("module {} parameter {}", self.module, self.out.len());
+        if let Some(g) = param.val().grad(self.grads) {
+            self.out.push((name, values(g.clone()), g.dtype()));
+        }
+    }
+}
+
+type Case<B> = fn(&mut Cx<B>) -> Tensor<B, 1>;
+
+fn run<B: AutodiffBackend>(
+    case: Case<B>,
+    device: B::Device,
+    weights: Option<Vec<Vec<u8>>>,
+    precision: Option<Precision>,
+) -> (Run, Vec<Vec<u8>>) {
+    let mut cx = Cx::<B>::new(device, weights);
+    let _guard = precision.map(autocast);
+    let loss = case(&mut cx);
+    let mut values = Vec::new();
+    if !cx.projected {
+        values.push(("loss".to_string(), self::values(loss.clone())));
+    }
+    let grads = loss.backward();
+    let mut grad_dtypes = Vec::new();
+    for params in &cx.params {
+        for (name, v, dtype) in params(&grads) {
+            grad_dtypes.push((name.clone(), dtype));
+            values.push((name, v));
+        }
+    }
+    for (name, grad) in &cx.inputs {
+        let (v, dtype) = grad(&grads).unwrap_or_else(|| panic!("{name} got no gradient"));
+        grad_dtypes.push((name.clone(), dtype));
+        values.push((format!("d {name}"), v));
+    }
+    values.append(&mut cx.states);
+    (
+        Run {
+            values,
+            grad_dtypes,
+        },
+        std::mem::take(&mut cx.saved),
+    )
+}
+
+fn rms(v: &[f32]) -> f32 {
+    (v.iter().map(|x| x * x).sum::<f32>() / v.len().max(1) as f32).sqrt()
+}
+
+fn largest_rms(values: &[(String, Vec<f32>)]) -> f32 {
+    values.iter().map(|(_, v)| rms(v)).fold(0.0, f32::max)
+}
+
+/// `‖got − want‖ / ‖want‖`; but a value zero by symmetry (a key projection's bias under
+/// softmax, a bias before a batch norm: f32 gives rounding noise, below `1e-4 × scale` in
+/// root mean square) is measured as `rms(got) / scale`, half precision's rounding of the
+/// terms it sums against the case's largest value.
+fn error(got: &[f32], want: &[f32], scale: f32) -> f32 {
+    if rms(want) < 1e-4 * scale {
+        rms(got) / scale
+    } else {
+        rel_l2(got, want)
+    }
+}
+
+/// The largest relative L2 error allowed against f32, for a value a case's ops lower.
+fn tolerance(precision: Precision) -> f32 {
+    match precision {
+        Precision::Bf16 => 3e-2,
+        _ => 5e-3,
+    }
+}
+
+/// Every case on `Amp` above autodiff and below it, at `precision`, against f32.
+pub(crate) fn check_modules<X: Backend>(device: &X::Device, precision: Precision) {
+    let mut failures = Vec::new();
+    failures.extend(check_stack::<Amp<Autodiff<X>>>(device, precision));
+    failures.extend(check_stack::<Autodiff<Amp<X>>>(device, precision));
+    assert!(
+        failures.is_empty(),
+        "{} {precision}:\n{}",
+        std::any::type_name::<X>(),
+        failures.join("\n")
+    );
+}
+
+/// Every case on `A` at `precision` against `Autodiff<Flex>` in f32: what failed. Above
+/// autodiff every gradient of an f32 leaf is f32 too.
+fn check_stack<A: AutodiffBackend>(device: &A::Device, precision: Precision) -> Vec<String> {
+    let stack = if std::any::type_name::<A>().starts_with("burn_amp") {
+        "Amp<Autodiff<_>>"
+    } else {
+        "Autodiff<Amp<_>>"
+    };
+    let mut failures = Vec::new();
+    let cases = cases::<Autodiff<Flex>>().into_iter().zip(cases::<A>());
+    for ((name, reference), (_, amp)) in cases {
+        let (want, weights) = run(reference, Default::default(), None, None);
+        let (got, _) = run(amp, device.clone(), Some(weights), Some(precision));
+        let scale = largest_rms(&want.values);
+        let mut worst = 0f32;
+        for (what, w) in &want.values {
+            let Some((_, g)) = got.values.iter().find(|(n, _)| n == what) else {
+                failures.push(format!("{stack} {name}: no {what}"));
+                continue;
+            };
+            let err = error(g, w, scale);
+            worst = worst.max(err);
+            if !within(err, tolerance(precision)) {
+                failures.push(format!("{stack} {name}: {what} error {err:.2e}"));
+            }
+        }
+        if got.values.len() != want.values.len() {
+            failures.push(format!(
+                "{stack} {name}: {} values, f32 gave {}",
+                got.values.len(),
+                want.values.len()
+            ));
+        }
+        // Below autodiff the casts are invisible to it: a parameter read by a lowered op may
+        // get a half gradient there (README, "Below autodiff"; the optimizers cast it).
+        let above = stack.starts_with("Amp");
+        for (what, dtype) in got.grad_dtypes.iter().filter(|_| above) {
+            if *dtype != DType::F32 {
+                failures.push(format!(
+                    "{stack} {name}: {what}'s gradient is {dtype:?}, not f32"
+                ));
+            }
+        }
+        eprintln!("  {stack} {name}: worst error {worst:.2e}");
+    }
+    failures
+}
+
+flex_and_wgpu_tests!(check_modules: modules_f16_flex, modules_bf16_flex, modules_f16_wgpu);
