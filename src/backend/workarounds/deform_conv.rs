@@ -99,22 +99,25 @@ fn offset_and_mask_gradients<B: Backend>(
         let sums = B::float_sum_dim(B::float_mul(columns.clone(), v), 2);
         B::float_reshape(sums, Shape::from([batch, groups * taps, out_h, out_w]))
     };
-    let taps = Taps::<B>::new(x, offset, [kh, kw], options);
+    let sampled = Taps::<B>::new(x, offset, [kh, kw], options);
     let masked = |g: FloatTensor<B>| match &mask {
         Some(m) => B::float_mul(g, m.clone()),
         None => g,
     };
-    let (dy, dx) = (masked(per_group(taps.dy())), masked(per_group(taps.dx())));
-    let one = Shape::from([batch, groups * taps.taps, 1, out_h, out_w]);
+    let (dy, dx) = (
+        masked(per_group(sampled.dy())),
+        masked(per_group(sampled.dx())),
+    );
+    let one = Shape::from([batch, groups * taps, 1, out_h, out_w]);
     let offset_grad = B::float_cat(
         vec![B::float_reshape(dy, one.clone()), B::float_reshape(dx, one)],
         2,
     );
     let offset_grad = B::float_reshape(
         offset_grad,
-        Shape::from([batch, groups * taps.taps * 2, out_h, out_w]),
+        Shape::from([batch, groups * taps * 2, out_h, out_w]),
     );
-    let mask_grad = mask.is_some().then(|| per_group(taps.value()));
+    let mask_grad = mask.is_some().then(|| per_group(sampled.value()));
     (offset_grad, mask_grad)
 }
 
@@ -147,7 +150,6 @@ struct Taps<B: Backend> {
     corners: [FloatTensor<B>; 4],
     /// `y − ⌊y⌋` and `x − ⌊x⌋`: `[batch, groups, 1, taps · positions]`.
     fractions: [FloatTensor<B>; 2],
-    taps: usize,
 }
 
 impl<B: Backend> Taps<B> {
@@ -235,7 +237,6 @@ impl<B: Backend> Taps<B> {
                 corner(1.0, 1.0),
             ],
             fractions,
-            taps,
         }
     }
 
@@ -299,14 +300,14 @@ pub(crate) fn deform_conv2d<B: Backend>(
             } = self;
             let [x, offset, weight] = inputs.map(moved::<P, AutodiffTensor<X>>);
             let (mask, bias) = (mask.map(moved), bias.map(moved));
-            let roles = [true, true, true, mask.is_some(), bias.is_some()];
+            let with = [mask.is_some(), bias.is_some()];
             let mut parents = vec![x, offset, weight];
             parents.extend(mask);
             parents.extend(bias);
             let out = match parents.len() {
-                3 => node::<X, C, 3>(parents, roles, options),
-                4 => node::<X, C, 4>(parents, roles, options),
-                _ => node::<X, C, 5>(parents, roles, options),
+                3 => node::<X, C, 3>(parents, with, options),
+                4 => node::<X, C, 4>(parents, with, options),
+                _ => node::<X, C, 5>(parents, with, options),
             };
             Ok(moved(out))
         }
@@ -334,34 +335,32 @@ struct State {
 }
 
 /// Burn's node, as burn-autodiff builds it (compute-bound, every input checkpointed), with
-/// `N` parents: `x`, offset and weight, then the mask and the bias present in `roles`.
+/// `N` parents: `x`, offset and weight, then the mask and the bias where `with` says so.
 fn node<X: Backend, C: CheckpointStrategy, const N: usize>(
     parents: Vec<AutodiffTensor<X>>,
-    roles: [bool; 5],
+    [with_mask, with_bias]: [bool; 2],
     options: DeformConvOptions<2>,
 ) -> AutodiffTensor<X> {
     let nodes: [_; N] = core::array::from_fn(|i| parents[i].node.clone());
-    let prepared = DeformConvBackward { roles }
+    let prepared = DeformConvBackward
         .prepare::<C>(nodes)
         .compute_bound()
         .stateful();
+    let present = [true, true, true, with_mask, with_bias];
+    // Each input's slot of the five: its parent, or `None` where absent.
+    let slots = || {
+        let mut p = parents.iter();
+        present.map(|here| here.then(|| p.next().expect("a parent per present input")))
+    };
     let forward = || {
-        let mut p = parents.iter().map(|t| t.primitive.clone());
-        let [x, offset, weight] = core::array::from_fn(|_| p.next().expect("three inputs"));
-        let mask = roles[3].then(|| p.next().expect("a mask"));
-        let bias = roles[4].then(|| p.next().expect("a bias"));
+        let [x, offset, weight, mask, bias] = slots().map(|t| t.map(|t| t.primitive.clone()));
+        let (x, offset, weight) = (x.unwrap(), offset.unwrap(), weight.unwrap());
         X::deform_conv2d(x, offset, weight, mask, bias, options.clone())
     };
     // The inputs' handles live until the node is registered (see `half_sums`' node).
     let out = match prepared {
         OpsKind::Tracked(mut prep) => {
-            let mut inputs = [None; 5];
-            let mut p = parents.iter();
-            for (slot, present) in inputs.iter_mut().zip(roles) {
-                if present {
-                    *slot = Some(prep.checkpoint(p.next().expect("a parent per role")));
-                }
-            }
+            let inputs = slots().map(|t| t.map(|t| prep.checkpoint(t)));
             let out = forward();
             prep.finish(
                 State {
@@ -378,9 +377,7 @@ fn node<X: Backend, C: CheckpointStrategy, const N: usize>(
 }
 
 #[derive(Debug)]
-struct DeformConvBackward {
-    roles: [bool; 5],
-}
+struct DeformConvBackward;
 
 impl<X: Backend, const N: usize> Backward<X, N> for DeformConvBackward {
     type State = State;
@@ -408,9 +405,10 @@ impl<X: Backend, const N: usize> Backward<X, N> for DeformConvBackward {
             g.mask_grad,
             g.bias_grad,
         ];
+        // The parents come in the order of the inputs present (checkpointed).
         let mut parents = ops.parents.into_iter();
-        for (present, gradient) in self.roles.into_iter().zip(gradients) {
-            if !present {
+        for (id, gradient) in inputs.into_iter().zip(gradients) {
+            if id.is_none() {
                 continue;
             }
             if let (Some(Some(parent)), Some(gradient)) = (parents.next(), gradient) {

@@ -18,8 +18,8 @@
 
 use burn::backend::{Autodiff, Flex};
 use burn::module::{Module, ModuleVisitor, Param};
-use burn::tensor::{Int, TensorData};
 use burn::tensor::backend::AutodiffBackend;
+use burn::tensor::{Int, TensorData};
 use burn_amp::{Amp, autocast};
 
 use super::common::models::materialize;
@@ -258,8 +258,8 @@ fn tolerance(precision: Precision) -> f32 {
 /// Every case on `Amp` above autodiff and below it, at `precision`, against f32.
 pub(crate) fn check_modules<X: Backend>(device: &X::Device, precision: Precision) {
     let mut failures = Vec::new();
-    failures.extend(check_stack::<Amp<Autodiff<X>>>(device, precision));
-    failures.extend(check_stack::<Autodiff<Amp<X>>>(device, precision));
+    failures.extend(check_stack::<Amp<Autodiff<X>>>(device, precision, true));
+    failures.extend(check_stack::<Autodiff<Amp<X>>>(device, precision, false));
     assert!(
         failures.is_empty(),
         "{} {precision}:\n{}",
@@ -268,13 +268,16 @@ pub(crate) fn check_modules<X: Backend>(device: &X::Device, precision: Precision
     );
 }
 
-/// Every case on `A` at `precision` against `Autodiff<Flex>` in f32: what failed. Above
-/// autodiff every gradient of an f32 leaf is f32 too.
-fn check_stack<A: AutodiffBackend>(device: &A::Device, precision: Precision) -> Vec<String> {
-    let stack = if std::any::type_name::<A>().starts_with("burn_amp") {
-        "Amp<Autodiff<_>>"
-    } else {
-        "Autodiff<Amp<_>>"
+/// Every case on `A` (`Amp` above or below autodiff) at `precision` against `Autodiff<Flex>`
+/// in f32: what failed. Above autodiff every gradient of an f32 leaf is f32 too.
+fn check_stack<A: AutodiffBackend>(
+    device: &A::Device,
+    precision: Precision,
+    above_autodiff: bool,
+) -> Vec<String> {
+    let stack = match above_autodiff {
+        true => "Amp<Autodiff<_>>",
+        false => "Autodiff<Amp<_>>",
     };
     let mut failures = Vec::new();
     let cases = cases::<Autodiff<Flex>>().into_iter().zip(cases::<A>());
@@ -303,8 +306,7 @@ fn check_stack<A: AutodiffBackend>(device: &A::Device, precision: Precision) -> 
         }
         // Below autodiff the casts are invisible to it: a parameter read by a lowered op may
         // get a half gradient there (README, "Below autodiff"; the optimizers cast it).
-        let above = stack.starts_with("Amp");
-        for (what, dtype) in got.grad_dtypes.iter().filter(|_| above) {
+        for (what, dtype) in got.grad_dtypes.iter().filter(|_| above_autodiff) {
             if *dtype != DType::F32 {
                 failures.push(format!(
                     "{stack} {name}: {what}'s gradient is {dtype:?}, not f32"
