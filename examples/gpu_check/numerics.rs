@@ -133,7 +133,7 @@ fn at_precision<T: Target>() -> Vec<(&'static str, AtPrecision<T>)> {
             deform_conv::deform_conv_matches_f32::<F<T>> as AtPrecision<T>,
         ),
         (
-            "modules: 69 burn-nn layers, activations and losses, loss, gradients and state against f32",
+            "modules: 76 burn-nn layers, activations, losses and architecture blocks, loss, gradients and state against f32",
             modules::check_modules::<F<T>> as AtPrecision<T>,
         ),
         (

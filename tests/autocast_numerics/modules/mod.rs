@@ -15,8 +15,9 @@
 //! a half intermediate between two f32 ops is what breaks.
 //!
 //! `cases.rs`: 40 cases of layers and losses; `activations.rs`: the activation layers;
-//! `settings.rs`: layers with their configs off the default path. Here the context they
-//! build in, the runs and the comparison.
+//! `settings.rs`: layers with their configs off the default path; `blocks.rs`: blocks of
+//! the architectures people train. Here the context they build in, the runs and the
+//! comparison.
 
 use burn::backend::{Autodiff, Flex};
 use burn::module::{Module, ModuleMapper, ModuleVisitor, Param};
@@ -29,17 +30,19 @@ use super::common::{load, save};
 use super::*;
 
 mod activations;
+mod blocks;
 mod cases;
 mod settings;
 
 use cases::{BATCH, D, SEQ};
 
-/// Every case: burn-nn's layers and losses, its activation layers, and layers with their
-/// configs off the default path.
+/// Every case: burn-nn's layers and losses, its activation layers, layers with their configs
+/// off the default path, architecture blocks.
 fn cases<B: AutodiffBackend>() -> Vec<(&'static str, Case<B>)> {
     let mut all = cases::cases();
     all.extend(activations::cases());
     all.extend(settings::cases());
+    all.extend(blocks::cases());
     all
 }
 
