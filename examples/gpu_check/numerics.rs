@@ -234,6 +234,27 @@ pub fn run<T: Target>(
             }),
         ),
         (
+            "gelu's gradient (the tanh approximation's derivative in Burn 0.21) against its derivative",
+            Box::new(move || {
+                let plain = opmath::gelu_gradient_is_exact::<F<T>>(device);
+                Ok(format!(
+                    "f32, 4001 inputs in [-6, 6] within 1e-6 of the f64 derivative, Amp above \
+                     and below autodiff; plain {}'s {plain:.2e} off",
+                    T::NAME
+                ))
+            }),
+        ),
+        (
+            "modules with autocast off: the 76 module checks in f32 against Flex's",
+            Box::new(move || {
+                modules::check_modules_at_f32::<F<T>>(device, matmul_tolerance);
+                Ok(format!(
+                    "outputs, gradients and state within {matmul_tolerance:e} of Flex's, Amp \
+                     above and below autodiff"
+                ))
+            }),
+        ),
+        (
             "avg_pool2d's gradient, 1x1 outputs and channels-last gradients, against Flex's",
             Box::new(|| {
                 workarounds::avg_pool_gradients_are_right::<F<T>>(device);

@@ -7,7 +7,7 @@
 use burn_amp::Amp;
 use burn_amp::backend::Op;
 use burn_backend::ops::{
-    AttentionModuleOptions, ConvOptions, ConvTransposeOptions, DeformConvOptions,
+    ActivationOps, AttentionModuleOptions, ConvOptions, ConvTransposeOptions, DeformConvOptions,
     GridSampleOptions, InterpolateMode, InterpolateOptions, UnfoldOptions,
 };
 use burn_backend::tensor::{FloatTensor, IndexingUpdateOp, IntTensor};
@@ -274,7 +274,25 @@ pub fn activation_ops<B: Backend>(h: &mut Harness<B>) {
     ex!(h, log_softmax, [a: [4, 6]], |X, d| X::log_softmax(a, 1));
     ex!(h, softmin, [a: [4, 6]], |X, d| X::softmin(a, 1));
     ex!(h, relu_backward, [out: [4, 6], grad: [4, 6]], |X, d| X::relu_backward(out, grad));
-    ex!(h, gelu_backward, [x: [4, 6], grad: [4, 6]], |X, d| X::gelu_backward(x, grad));
+    // Against the derivative composed from the backend's own ops: Burn 0.21's `gelu_backward`
+    // outside Flex is the tanh approximation's derivative, `Amp`'s is `gelu`'s.
+    fn pair<X: Backend>(inputs: Vec<FloatTensor<X>>) -> (FloatTensor<X>, FloatTensor<X>) {
+        let mut inputs = inputs.into_iter();
+        (inputs.next().expect("x"), inputs.next().expect("grad"))
+    }
+    h.check(
+        Op::gelu_backward,
+        &[&[4, 6], &[4, 6]],
+        expect!(),
+        |_, inputs| {
+            let (x, grad) = pair::<Amp<B>>(inputs);
+            <Amp<B> as ActivationOps<Amp<B>>>::gelu_backward(x, grad)
+        },
+        |_, inputs| {
+            let (x, grad) = pair::<B>(inputs);
+            gelu_derivative::<B>(x, grad)
+        },
+    );
     ex!(h, sigmoid_backward, [out: [4, 6], grad: [4, 6]], |X, d| X::sigmoid_backward(out, grad));
     ex!(h, log_sigmoid_backward, [x: [4, 6], grad: [4, 6]], |X, d| X::log_sigmoid_backward(x, grad));
 }
@@ -347,4 +365,17 @@ pub fn module_ops<B: Backend>(h: &mut Harness<B>) {
     ex!(h, ctc_loss_backward, [lp: [5, 1, 4], g: [1]], |X, d| X::ctc_loss_backward(lp, ints::<X>(d, &[1, 2], &[1, 2]), ints::<X>(d, &[5], &[1]), ints::<X>(d, &[2], &[1]), g, 0));
     ex!(h, rfft, [s: [2, 8]], |X, d| X::rfft(s, 1, None).0);
     ex!(h, irfft, [re: [2, 5], im: [2, 5]], |X, d| X::irfft(re, im, 1, None));
+}
+
+/// `grad · (Φ(x) + x · φ(x))`, `gelu`'s derivative, from `X`'s `erf` and `exp`.
+fn gelu_derivative<X: Backend>(x: FloatTensor<X>, grad: FloatTensor<X>) -> FloatTensor<X> {
+    let cdf = X::float_erf(X::float_mul_scalar(
+        x.clone(),
+        f(std::f64::consts::FRAC_1_SQRT_2),
+    ));
+    let cdf = X::float_mul_scalar(X::float_add_scalar(cdf, f(1.0)), f(0.5));
+    let squared = X::float_mul(x.clone(), x.clone());
+    let density = X::float_exp(X::float_mul_scalar(squared, f(-0.5)));
+    let density = X::float_mul_scalar(density, f(1.0 / (2.0 * std::f64::consts::PI).sqrt()));
+    X::float_mul(grad, X::float_add(cdf, X::float_mul(x, density)))
 }
