@@ -133,7 +133,7 @@ fn at_precision<T: Target>() -> Vec<(&'static str, AtPrecision<T>)> {
             deform_conv::deform_conv_matches_f32::<F<T>> as AtPrecision<T>,
         ),
         (
-            "modules: 76 burn-nn layers, activations, losses and architecture blocks, loss, gradients and state against f32",
+            "modules: 78 burn-nn layers, activations, losses and architecture blocks, loss, gradients and state against f32",
             modules::check_modules::<F<T>> as AtPrecision<T>,
         ),
         (
@@ -245,7 +245,7 @@ pub fn run<T: Target>(
             }),
         ),
         (
-            "modules with autocast off: the 76 module checks in f32 against Flex's",
+            "modules with autocast off: the 78 module checks in f32 against Flex's",
             Box::new(move || {
                 modules::check_modules_at_f32::<F<T>>(device, matmul_tolerance);
                 Ok(format!(

@@ -6,12 +6,16 @@
 
 use burn::nn::attention::{MhaInput, MultiHeadAttentionConfig};
 use burn::nn::conv::{Conv1dConfig, Conv2dConfig, ConvTranspose2dConfig};
-use burn::nn::{GroupNormConfig, LayerNormConfig, LinearConfig, PaddingConfig1d, PaddingConfig2d};
+use burn::nn::{
+    GroupNormConfig, LayerNormConfig, LinearConfig, PaddingConfig1d, PaddingConfig2d,
+    RmsNormConfig, RotaryEncodingConfig, SwiGluConfig,
+};
 use burn::tensor::backend::AutodiffBackend;
-use burn::tensor::ops::PadMode;
-use burn::tensor::{Tensor, activation};
+use burn::tensor::module;
+use burn::tensor::ops::{AttentionModuleOptions, PadMode};
+use burn::tensor::{Bool, Int, Tensor, activation};
 
-use super::{BATCH, Case, D};
+use super::{BATCH, Case, D, SEQ};
 
 /// Channels of the convolutional blocks.
 const C: usize = 8;
@@ -94,12 +98,11 @@ pub(super) fn cases<B: AutodiffBackend>() -> Vec<(&'static str, Case<B>)> {
                 // Timesteps up to 999: their sines must be taken in f32 (f16 holds 999 to
                 // within 0.5, a phase error of radians at the highest frequency).
                 let t = cx.data([BATCH, 1], 0.0, 999.0);
-                let freqs =
-                    Tensor::<B, 1, burn::tensor::Int>::arange(0..(D / 2) as i64, &cx.device)
-                        .float()
-                        .mul_scalar(-(10000f64.ln()) / (D / 2) as f64)
-                        .exp()
-                        .reshape([1, D / 2]);
+                let freqs = Tensor::<B, 1, Int>::arange(0..(D / 2) as i64, &cx.device)
+                    .float()
+                    .mul_scalar(-(10000f64.ln()) / (D / 2) as f64)
+                    .exp()
+                    .reshape([1, D / 2]);
                 let phase = t * freqs;
                 let embedding = Tensor::cat(vec![phase.clone().sin(), phase.cos()], 1);
                 let h = conv.forward(activation::silu(norm.forward(x.clone())));
@@ -129,8 +132,8 @@ pub(super) fn cases<B: AutodiffBackend>() -> Vec<(&'static str, Case<B>)> {
                 let decay = (dt.clone() * log_a.exp().neg().reshape([1, 1, C])).cumsum(1);
                 let decay = decay.swap_dims(1, 2); // [B, C, L]
                 let gap = decay.clone().unsqueeze_dim::<4>(3) - decay.unsqueeze_dim::<4>(2);
-                let causal = Tensor::<B, 2, burn::tensor::Bool>::tril_mask([L, L], 0, &cx.device)
-                    .reshape([1, 1, L, L]);
+                let causal =
+                    Tensor::<B, 2, Bool>::tril_mask([L, L], 0, &cx.device).reshape([1, 1, L, L]);
                 let weights = gap.mask_fill(causal, f32::NEG_INFINITY).exp();
                 let drive = (dt * u).swap_dims(1, 2).unsqueeze_dim::<4>(3); // [B, C, L, 1]
                 let h = weights.matmul(drive).squeeze_dim::<3>(3).swap_dims(1, 2);
@@ -153,6 +156,90 @@ pub(super) fn cases<B: AutodiffBackend>() -> Vec<(&'static str, Case<B>)> {
                 let y = attention.forward(MhaInput::self_attn(y)).context;
                 let y = unwindows(y, [BATCH, 4, 4]).roll(&[1, 1], &[1, 2]);
                 let out = x + y;
+                cx.project(out)
+            },
+        ),
+        (
+            "Llama block: RMSNorm, grouped-query RoPE attention (fused op, causal), SwiGLU",
+            |cx| {
+                const HEADS: usize = 4;
+                const KV_HEADS: usize = 2;
+                const HEAD: usize = D / HEADS;
+                let attention_norm = cx.module(RmsNormConfig::new(D).init(&cx.device));
+                let query = LinearConfig::new(D, D).with_bias(false);
+                let query = cx.module(query.init(&cx.device));
+                let key_value = LinearConfig::new(D, 2 * KV_HEADS * HEAD).with_bias(false);
+                let key_value = cx.module(key_value.init(&cx.device));
+                let output = LinearConfig::new(D, D).with_bias(false);
+                let output = cx.module(output.init(&cx.device));
+                let ffn_norm = cx.module(RmsNormConfig::new(D).init(&cx.device));
+                let ffn = cx.module(SwiGluConfig::new(D, 2 * D).init(&cx.device));
+                let ffn_out = LinearConfig::new(2 * D, D).with_bias(false);
+                let ffn_out = cx.module(ffn_out.init(&cx.device));
+                let rope = RotaryEncodingConfig::new(2 * SEQ, HEAD).init::<B>(&cx.device);
+                let x = cx.input("x", [BATCH, SEQ, D], -1.0, 1.0);
+                let heads =
+                    |t: Tensor<B, 3>, n: usize| t.reshape([BATCH, SEQ, n, HEAD]).swap_dims(1, 2);
+                let h = attention_norm.forward(x.clone());
+                let q = rope.forward(heads(query.forward(h.clone()), HEADS));
+                let [k, v] = key_value
+                    .forward(h)
+                    .chunk(2, 2)
+                    .try_into()
+                    .expect("keys and values");
+                // Each key-value head serves HEADS / KV_HEADS query heads.
+                let grouped = |t: Tensor<B, 4>| {
+                    t.unsqueeze_dim::<5>(2)
+                        .expand([BATCH, KV_HEADS, HEADS / KV_HEADS, SEQ, HEAD])
+                        .reshape([BATCH, HEADS, SEQ, HEAD])
+                };
+                let k = grouped(rope.forward(heads(k, KV_HEADS)));
+                let v = grouped(heads(v, KV_HEADS));
+                let causal = AttentionModuleOptions {
+                    is_causal: true,
+                    ..Default::default()
+                };
+                let context = module::attention(q, k, v, None, None, causal);
+                let context = context.swap_dims(1, 2).reshape([BATCH, SEQ, D]);
+                let x = x + output.forward(context);
+                let out = x.clone() + ffn_out.forward(ffn.forward(ffn_norm.forward(x)));
+                cx.project(out)
+            },
+        ),
+        (
+            "Gemma-2 attention: fused op with a softcap, ALiBi bias and a padding mask",
+            |cx| {
+                const HEADS: usize = 2;
+                const HEAD: usize = D / HEADS;
+                let qkv = cx.module(LinearConfig::new(D, 3 * D).init(&cx.device));
+                let x = cx.input("x", [BATCH, SEQ, D], -2.0, 2.0);
+                let [q, k, v] = qkv
+                    .forward(x)
+                    .reshape([BATCH, SEQ, 3 * HEADS, HEAD])
+                    .swap_dims(1, 2)
+                    .chunk(3, 1)
+                    .try_into()
+                    .expect("queries, keys and values");
+                // ALiBi: a head's slope times the distance to the key.
+                let positions = Tensor::<B, 1, Int>::arange(0..SEQ as i64, &cx.device).float();
+                let distance = (positions.clone().reshape([SEQ, 1]) - positions.reshape([1, SEQ]))
+                    .abs()
+                    .neg();
+                let slopes = Tensor::<B, 1>::from_floats([0.5, 0.25], &cx.device);
+                let bias = (distance.unsqueeze_dim::<3>(0) * slopes.reshape([HEADS, 1, 1]))
+                    .unsqueeze_dim::<4>(0)
+                    .expand([BATCH, HEADS, SEQ, SEQ]);
+                // The last key padded out in every row.
+                let padding = Tensor::<B, 1, Int>::arange(0..SEQ as i64, &cx.device)
+                    .greater_equal_elem(SEQ as i64 - 1)
+                    .reshape([1, 1, 1, SEQ])
+                    .expand([BATCH, HEADS, SEQ, SEQ]);
+                let options = AttentionModuleOptions {
+                    softcap: Some(5.0),
+                    ..Default::default()
+                };
+                let context = module::attention(q, k, v, Some(padding), Some(bias), options);
+                let out = context.swap_dims(1, 2).reshape([BATCH, SEQ, D]);
                 cx.project(out)
             },
         ),
