@@ -39,6 +39,28 @@ fn run_all<B: Backend>(device: B::Device, precision: Precision) {
     );
 }
 
+/// Every op of the table through `Amp<B>` with autocast off, against the same op on Flex, on
+/// the same f32 inputs (see [`Harness::against_flex`]).
+pub fn agree_with_flex<B: Backend>(device: B::Device) {
+    let mut h = Harness::<B>::against_flex(device, false);
+    policy_ops::float_ops(&mut h);
+    policy_ops::activation_ops(&mut h);
+    policy_ops::module_ops(&mut h);
+    assert!(
+        h.failures.is_empty(),
+        "{} ops differ from Flex's in f32:\n{}",
+        h.failures.len(),
+        h.failures.join("\n")
+    );
+}
+
+#[test]
+fn every_op_agrees_with_flex_wgpu() {
+    if let Some(device) = common::wgpu_device() {
+        agree_with_flex::<Wgpu>(device);
+    }
+}
+
 #[test]
 fn every_op_follows_the_policy_flex_f16() {
     run_all::<Flex>(Default::default(), Precision::F16);

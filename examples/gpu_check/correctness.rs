@@ -50,6 +50,16 @@ pub fn run<T: Target>(device: &Device<T>, report: &mut Report) -> usize {
         );
     }
 
+    eprintln!("gpu_check: every op against Flex in f32");
+    let outcome = timed(|| against_flex_suite::<T::Fused>(device, T::TF32));
+    record(
+        "policy",
+        "every op against Flex, f32",
+        "fusion",
+        "f32",
+        outcome,
+    );
+
     let bf16 = Precision::Bf16.is_supported::<T::Fused>(device);
     eprintln!("gpu_check: kernels against their fallbacks (bf16: {bf16})");
     for (variant, cases) in [
@@ -151,6 +161,32 @@ fn policy_suite<B: burn_backend::Backend>(
     Ok(format!(
         "{} ops exercised; {} not implemented by the backend itself (fail alike through Amp)",
         h.exercised.len(),
+        h.unsupported.len()
+    ))
+}
+
+/// Every op of the policy table through `Amp<B>`, autocast off, against Flex's in f32
+/// (`tests/autocast_ops.rs`, `every_op_agrees_with_flex_wgpu`); `tf32`: matmuls may run in
+/// TF32.
+fn against_flex_suite<B: burn_backend::Backend>(
+    device: &B::Device,
+    tf32: bool,
+) -> Result<String, String> {
+    let mut h = Harness::<B>::against_flex(device.clone(), tf32);
+    policy_ops::float_ops(&mut h);
+    policy_ops::activation_ops(&mut h);
+    policy_ops::module_ops(&mut h);
+    if !h.failures.is_empty() {
+        return Err(format!(
+            "{} ops differ from Flex's: {}",
+            h.failures.len(),
+            h.failures.join("; ")
+        ));
+    }
+    Ok(format!(
+        "{} ops within 1e-5 + 1e-4 |Flex's| of Flex's{}; {} that Flex lacks",
+        h.exercised.len() - h.unsupported.len(),
+        if tf32 { " (matmuls 2e-3: TF32)" } else { "" },
         h.unsupported.len()
     ))
 }

@@ -3,8 +3,11 @@
 
 use std::collections::BTreeSet;
 
+use burn::backend::Flex;
+use burn::backend::flex::FlexDevice;
 use burn_amp::backend::{Category, Op};
-use burn_amp::{Precision, autocast};
+use burn_amp::{Amp, Precision, autocast};
+use burn_backend::ops::FloatTensorOps;
 use burn_backend::tensor::FloatTensor;
 use burn_backend::{Backend, TensorData, TensorMetadata, read_sync};
 use burn_std::{DType, FloatDType};
@@ -21,6 +24,16 @@ impl Tolerance {
     pub const F32: Tolerance = Tolerance {
         atol: 1e-5,
         rtol: 1e-4,
+    };
+    /// WGSL's inverse trigonometric functions: 4096 ULP (2^-11 relative), by specification.
+    pub const WGSL_INVERSE_TRIGONOMETRY: Tolerance = Tolerance {
+        atol: 1e-5,
+        rtol: 5e-4,
+    };
+    /// An f32 matmul in TF32 (10-bit mantissa products, f32 sums).
+    pub const TF32: Tolerance = Tolerance {
+        atol: 1e-4,
+        rtol: 2e-3,
     };
     /// An op computed in f16: 11-bit mantissa, a few roundings on small inputs.
     pub const F16: Tolerance = Tolerance {
@@ -55,6 +68,12 @@ pub struct Harness<B: Backend> {
     pub device: B::Device,
     pub precision: Precision,
     pub low: FloatDType,
+    /// Against Flex in f32 instead: each op through `Amp<B>` with autocast off, on f32
+    /// inputs, held to the same op on Flex ([`Harness::against_flex`]).
+    pub against_flex: bool,
+    /// Against Flex: `B`'s f32 matmuls may run in TF32 (CUDA): the lowered category's ops
+    /// held to [`Tolerance::TF32`].
+    pub tf32: bool,
     pub exercised: BTreeSet<&'static str>,
     pub failures: Vec<String>,
     /// Ops the inner backend itself does not implement (checked to fail alike via Amp).
@@ -73,9 +92,22 @@ impl<B: Backend> Harness<B> {
             device,
             precision,
             low,
+            against_flex: false,
+            tf32: false,
             exercised: BTreeSet::new(),
             failures: Vec::new(),
             unsupported: Vec::new(),
+        }
+    }
+
+    /// Every op through `Amp<B>` with autocast off against the same op on Flex, on the same
+    /// f32 inputs, within [`Tolerance::F32`]: two implementations of every kernel, the
+    /// backward ones included (`gelu_backward` was Burn's tanh approximation outside Flex).
+    pub fn against_flex(device: B::Device, tf32: bool) -> Self {
+        Self {
+            against_flex: true,
+            tf32,
+            ..Self::new(device, Precision::F16)
         }
     }
 
@@ -125,7 +157,11 @@ impl<B: Backend> Harness<B> {
         expect: Expect,
         run_amp: impl Fn(&B::Device, Vec<FloatTensor<B>>) -> FloatTensor<B>,
         run_ref: impl Fn(&B::Device, Vec<FloatTensor<B>>) -> FloatTensor<B>,
+        run_flex: impl Fn(&FlexDevice, Vec<FloatTensor<Amp<Flex>>>) -> FloatTensor<Amp<Flex>>,
     ) {
+        if self.against_flex {
+            return self.check_against_flex(op, shapes, expect, run_amp, run_flex);
+        }
         self.exercised.insert(op.name());
         let category = op.category();
         let dtypes = self.input_dtypes(category, shapes.len());
@@ -228,6 +264,97 @@ impl<B: Backend> Harness<B> {
             ));
         }
     }
+}
+
+impl<B: Backend> Harness<B> {
+    fn check_against_flex(
+        &mut self,
+        op: Op,
+        shapes: &[&[usize]],
+        expect: Expect,
+        run_amp: impl Fn(&B::Device, Vec<FloatTensor<B>>) -> FloatTensor<B>,
+        run_flex: impl Fn(&FlexDevice, Vec<FloatTensor<Amp<Flex>>>) -> FloatTensor<Amp<Flex>>,
+    ) {
+        self.exercised.insert(op.name());
+        let inputs: Vec<_> = (0..shapes.len())
+            .map(|i| self.input(shapes[i], i))
+            .collect();
+        let flex_inputs: Vec<_> = inputs
+            .iter()
+            .map(|t| {
+                let data = read_sync(B::float_into_data(t.clone())).expect("read back");
+                <Amp<Flex> as FloatTensorOps<Amp<Flex>>>::float_from_data(data, &FlexDevice)
+            })
+            .collect();
+        let device = &self.device;
+        let synced = |t: FloatTensor<B>| B::sync(device).map(|_| t).map_err(|e| e.to_string());
+        let got = catch(|| {
+            let _off = autocast(Precision::F32);
+            run_amp(device, inputs)
+        })
+        .and_then(&synced);
+        let want = catch(|| {
+            let _off = autocast(Precision::F32);
+            run_flex(&FlexDevice, flex_inputs)
+        });
+        let (got, want) = match (got, want) {
+            (Ok(got), Ok(want)) => (got, want),
+            // Flex lacks it (`ctc_loss_backward`): nothing to hold it to.
+            (_, Err(reason)) => {
+                self.unsupported
+                    .push(format!("{}: on Flex, {reason}", op.name()));
+                return;
+            }
+            (Err(reason), Ok(_)) => {
+                self.failures
+                    .push(format!("{}: fails where Flex's runs: {reason}", op.name()));
+                return;
+            }
+        };
+        if got.shape() != want.shape() {
+            self.failures.push(format!(
+                "{}: shape {:?}, Flex's {:?}",
+                op.name(),
+                got.shape(),
+                want.shape()
+            ));
+            return;
+        }
+        if !expect.values {
+            return;
+        }
+        let got = to_f32::<B>(got);
+        let want = to_f32::<Amp<Flex>>(want);
+        let tol = if on_wgpu::<B>() && WGSL_INVERSE_TRIGONOMETRY.contains(&op.name()) {
+            Tolerance::WGSL_INVERSE_TRIGONOMETRY
+        } else if self.tf32 && op.category() == Category::Lower {
+            Tolerance::TF32
+        } else {
+            Tolerance::F32
+        };
+        if let Some((i, g, r)) = got
+            .iter()
+            .zip(&want)
+            .enumerate()
+            .map(|(i, (g, r))| (i, *g, *r))
+            .find(|(_, g, r)| !close(*g, *r, tol))
+        {
+            self.failures.push(format!(
+                "{}: value {g} at {i}, Flex's {r} (tolerance {tol:?})",
+                op.name()
+            ));
+        }
+    }
+}
+
+/// Ops WGSL computes within "4096 ULP" (`atan`, `atan2`; `asin` and `acos` inherit it): up to
+/// 2.4e-4 relative at 0.6, by specification (lavapipe's `asin` 3.3e-4 off, its `acos`
+/// 1.2e-4).
+const WGSL_INVERSE_TRIGONOMETRY: &[&str] =
+    &["float_asin", "float_acos", "float_atan", "float_atan2"];
+
+fn on_wgpu<B: Backend>() -> bool {
+    std::any::TypeId::of::<B::Device>() == std::any::TypeId::of::<burn::backend::wgpu::WgpuDevice>()
 }
 
 pub fn close(g: f32, r: f32, tol: Tolerance) -> bool {

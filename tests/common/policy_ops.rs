@@ -57,6 +57,7 @@ macro_rules! ex {
             expect!($($($flag)*)?),
             |d, i| run::<Amp<B>>(d, i),
             |d, i| run::<B>(d, i),
+            |d, i| run::<Amp<burn::backend::Flex>>(d, i),
         );
     }};
 }
@@ -291,6 +292,10 @@ pub fn activation_ops<B: Backend>(h: &mut Harness<B>) {
         |_, inputs| {
             let (x, grad) = pair::<B>(inputs);
             gelu_derivative::<B>(x, grad)
+        },
+        |_, inputs| {
+            let (x, grad) = pair::<Amp<burn::backend::Flex>>(inputs);
+            gelu_derivative::<Amp<burn::backend::Flex>>(x, grad)
         },
     );
     ex!(h, sigmoid_backward, [out: [4, 6], grad: [4, 6]], |X, d| X::sigmoid_backward(out, grad));
