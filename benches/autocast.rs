@@ -360,6 +360,29 @@ fn deform_conv_cost(iters: usize, quick: bool) -> Option<(Duration, Duration)> {
     ))
 }
 
+/// A GELU MLP's step on wgpu in f32 (256 wide, 4 layers, batch 64): under `Amp` at F32,
+/// whose `gelu` is its own node with the exact derivative, against plain Burn (the tanh
+/// approximation's derivative).
+fn wgpu_gelu_cost(iters: usize, quick: bool) -> Option<(Duration, Duration)> {
+    let device = common::wgpu_device()?;
+    let _f32 = autocast(Precision::F32);
+    let (batch, width) = if quick { (8, 32) } else { (64, 256) };
+    fn step<B: AutodiffBackend>(device: &B::Device, batch: usize, width: usize) -> impl FnMut() {
+        let model = DeepMlp::<B>::new(width, 4, device);
+        let x = Tensor::<B, 2>::random([batch, width], burn::tensor::Distribution::Default, device);
+        let device = device.clone();
+        move || {
+            mlp_step(&model, &x);
+            B::sync(&device).unwrap();
+        }
+    }
+    Some(side_by_side(
+        iters.min(20),
+        step::<Amp<Autodiff<Wgpu>>>(&device, batch, width),
+        step::<Autodiff<Wgpu>>(&device, batch, width),
+    ))
+}
+
 fn main() {
     mode::ensure_runtime_dir();
     let quick = mode::quick();
@@ -368,6 +391,7 @@ fn main() {
     let [(mlp_a, mlp_p), (elu_a, elu_p), (lm_a, lm_p)] = overhead(iters);
     let [conv_sums, mlp_sums] = half_sums_cost(iters, quick);
     let deform = deform_conv_cost(iters, quick);
+    let gelu = wgpu_gelu_cost(iters, quick);
     let ratio = |a: Duration, b: Duration| a.as_secs_f64() / b.as_secs_f64();
     let (mlp_ratio, elu_ratio, lm_ratio) =
         (ratio(mlp_a, mlp_p), ratio(elu_a, elu_p), ratio(lm_a, lm_p));
@@ -477,6 +501,15 @@ fn main() {
         ),
         None => println!("| deform_conv2d: no wgpu adapter | | | | |"),
     }
+    match gelu {
+        Some((amp, plain)) => println!(
+            "| GELU MLP fwd+bwd, Wgpu f32: Amp at F32 (gelu's exact derivative, its own node) vs plain Burn (the tanh approximation's) | {:.3} ms | {:.3} ms | {:.3} | <= 1.03 |",
+            amp.as_secs_f64() * 1e3,
+            plain.as_secs_f64() * 1e3,
+            ratio(amp, plain)
+        ),
+        None => println!("| GELU MLP on wgpu: no wgpu adapter | | | | |"),
+    }
     println!(
         "| host reads per f16 scaled step: fused AdamW / Burn's Adam | {} | {} | | 0 fused |",
         flex.2, flex.3
@@ -503,7 +536,7 @@ fn main() {
         }
     };
     report::emit(&format!(
-        "{{\"bench\":\"autocast\",\"iterations\":{iters},\"overhead_mlp_ratio\":{mlp_ratio:.4},\"overhead_transformer_ratio\":{lm_ratio:.4},\"overhead_elu_mlp_ratio\":{elu_ratio:.4},\"peak_memory_f16_over_f32\":{},\"peak_f16_bytes\":{},\"peak_f32_bytes\":{},\"flex_step_amp_over_f32\":{:.4},\"cuda_step_amp_over_f32\":{},\"host_reads_fused\":{},\"host_reads_adam\":{},\"conv_f32_sums_over_half_sums\":{},\"flex_f16_mlp_f32_sums_over_half_sums\":{},\"deform_conv_amp_over_plain\":{}}}",
+        "{{\"bench\":\"autocast\",\"iterations\":{iters},\"overhead_mlp_ratio\":{mlp_ratio:.4},\"overhead_transformer_ratio\":{lm_ratio:.4},\"overhead_elu_mlp_ratio\":{elu_ratio:.4},\"peak_memory_f16_over_f32\":{},\"peak_f16_bytes\":{},\"peak_f32_bytes\":{},\"flex_step_amp_over_f32\":{:.4},\"cuda_step_amp_over_f32\":{},\"host_reads_fused\":{},\"host_reads_adam\":{},\"conv_f32_sums_over_half_sums\":{},\"flex_f16_mlp_f32_sums_over_half_sums\":{},\"deform_conv_amp_over_plain\":{},\"wgpu_gelu_mlp_amp_over_plain\":{}}}",
         memory_ratio.map_or("null".to_string(), |r| format!("{r:.4}")),
         f16_peak.map_or("null".to_string(), |p| p.0.to_string()),
         f32_peak.map_or("null".to_string(), |p| p.0.to_string()),
@@ -517,5 +550,6 @@ fn main() {
         conv_sums.map_or("null".to_string(), |(a, b)| format!("{:.4}", ratio(a, b))),
         mlp_sums.map_or("null".to_string(), |(a, b)| format!("{:.4}", ratio(a, b))),
         deform.map_or("null".to_string(), |(a, b)| format!("{:.4}", ratio(a, b))),
+        gelu.map_or("null".to_string(), |(a, b)| format!("{:.4}", ratio(a, b))),
     ));
 }
