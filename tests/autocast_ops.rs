@@ -40,18 +40,21 @@ fn run_all<B: Backend>(device: B::Device, precision: Precision) {
 }
 
 /// Every op of the table through `Amp<B>` with autocast off, against the same op on Flex, on
-/// the same f32 inputs (see [`Harness::against_flex`]).
+/// the same f32 inputs (see [`Harness::against_flex`]): in [0.1, 0.9] (every op's domain), then
+/// in [-4, 4] (negatives: NaN alike where out of the domain).
 pub fn agree_with_flex<B: Backend>(device: B::Device) {
-    let mut h = Harness::<B>::against_flex(device, false);
-    policy_ops::float_ops(&mut h);
-    policy_ops::activation_ops(&mut h);
-    policy_ops::module_ops(&mut h);
-    assert!(
-        h.failures.is_empty(),
-        "{} ops differ from Flex's in f32:\n{}",
-        h.failures.len(),
-        h.failures.join("\n")
-    );
+    for (lo, hi) in [(0.1, 0.9), (-4.0, 4.0)] {
+        let mut h = Harness::<B>::against_flex(device.clone(), false).with_span(lo, hi);
+        policy_ops::float_ops(&mut h);
+        policy_ops::activation_ops(&mut h);
+        policy_ops::module_ops(&mut h);
+        assert!(
+            h.failures.is_empty(),
+            "{} ops differ from Flex's in f32 on [{lo}, {hi}]:\n{}",
+            h.failures.len(),
+            h.failures.join("\n")
+        );
+    }
 }
 
 #[test]

@@ -172,22 +172,26 @@ fn against_flex_suite<B: burn_backend::Backend>(
     device: &B::Device,
     tf32: bool,
 ) -> Result<String, String> {
-    let mut h = Harness::<B>::against_flex(device.clone(), tf32);
-    policy_ops::float_ops(&mut h);
-    policy_ops::activation_ops(&mut h);
-    policy_ops::module_ops(&mut h);
-    if !h.failures.is_empty() {
-        return Err(format!(
-            "{} ops differ from Flex's: {}",
-            h.failures.len(),
-            h.failures.join("; ")
-        ));
+    let mut agreed = Vec::new();
+    for (lo, hi) in [(0.1, 0.9), (-4.0, 4.0)] {
+        let mut h = Harness::<B>::against_flex(device.clone(), tf32).with_span(lo, hi);
+        policy_ops::float_ops(&mut h);
+        policy_ops::activation_ops(&mut h);
+        policy_ops::module_ops(&mut h);
+        if !h.failures.is_empty() {
+            return Err(format!(
+                "{} ops differ from Flex's on [{lo}, {hi}]: {}",
+                h.failures.len(),
+                h.failures.join("; ")
+            ));
+        }
+        agreed.push(h.exercised.len() - h.unsupported.len());
     }
     Ok(format!(
-        "{} ops within 1e-5 + 1e-4 |Flex's| of Flex's{}; {} that Flex lacks",
-        h.exercised.len() - h.unsupported.len(),
+        "{} ops on [0.1, 0.9], {} on [-4, 4] within 1e-5 + 1e-4 |Flex's| of Flex's{}",
+        agreed[0],
+        agreed[1],
         if tf32 { " (matmuls 2e-3: TF32)" } else { "" },
-        h.unsupported.len()
     ))
 }
 

@@ -74,6 +74,8 @@ pub struct Harness<B: Backend> {
     /// Against Flex: `B`'s f32 matmuls may run in TF32 (CUDA): the lowered category's ops
     /// held to [`Tolerance::TF32`].
     pub tf32: bool,
+    /// The inputs' range (`[0.1, 0.9]`, or wider against Flex: [`Harness::with_span`]).
+    pub span: (f32, f32),
     pub exercised: BTreeSet<&'static str>,
     pub failures: Vec<String>,
     /// Ops the inner backend itself does not implement (checked to fail alike via Amp).
@@ -94,6 +96,7 @@ impl<B: Backend> Harness<B> {
             low,
             against_flex: false,
             tf32: false,
+            span: (0.1, 0.9),
             exercised: BTreeSet::new(),
             failures: Vec::new(),
             unsupported: Vec::new(),
@@ -111,12 +114,21 @@ impl<B: Backend> Harness<B> {
         }
     }
 
-    /// Distinct values in [0.1, 0.9], shuffled: no ties after rounding to bf16 for up to
-    /// ~150 elements, in the domain of log, sqrt, asin, acos and atanh.
+    /// Inputs in `[lo, hi]` instead.
+    pub fn with_span(self, lo: f32, hi: f32) -> Self {
+        Self {
+            span: (lo, hi),
+            ..self
+        }
+    }
+
+    /// Distinct values in [0.1, 0.9] (by default), shuffled: no ties after rounding to bf16
+    /// for up to ~150 elements, in the domain of log, sqrt, asin, acos and atanh.
     fn input(&self, shape: &[usize], salt: usize) -> FloatTensor<B> {
         let n: usize = shape.iter().product();
+        let (lo, hi) = self.span;
         let mut values: Vec<f32> = (0..n)
-            .map(|k| 0.1 + 0.8 * (k as f32 + 0.5) / n.max(1) as f32)
+            .map(|k| lo + (hi - lo) * (k as f32 + 0.5) / n.max(1) as f32)
             .collect();
         // A fixed permutation: stride coprime with n.
         let stride = (7 + 2 * salt)..;
