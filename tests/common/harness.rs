@@ -1,5 +1,6 @@
 //! Runs one float op through `Amp<B>` under autocast and through `B` in f32, then checks
-//! the output dtype the policy promises and the values against the f32 reference.
+//! the output dtype the policy promises and the values against the f32 reference; or, in
+//! [`Harness::against_flex`], through `Amp<B>` with autocast off against the same op on Flex.
 
 use std::collections::BTreeSet;
 

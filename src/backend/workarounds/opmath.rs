@@ -81,12 +81,16 @@ fn in_opmath<X: Backend, const N: usize>(
     }
 }
 
-/// `grad · (Φ(x) + x · φ(x))`: the derivative of `x · Φ(x)`, `Φ` the standard normal's
-/// distribution function and `φ` its density.
+/// `Φ(x) = (1 + erf(x / √2)) / 2`, the standard normal's distribution function.
+fn normal_cdf<X: Backend>(x: FloatTensor<X>) -> FloatTensor<X> {
+    let erf = X::float_erf(X::float_mul_scalar(x, FRAC_1_SQRT_2.into()));
+    X::float_mul_scalar(X::float_add_scalar(erf, 1.0.into()), 0.5.into())
+}
+
+/// `grad · (Φ(x) + x · φ(x))`: the derivative of `x · Φ(x)`, `φ` the standard normal's
+/// density.
 fn exact_gelu_backward<X: Backend>(x: FloatTensor<X>, grad: FloatTensor<X>) -> FloatTensor<X> {
-    let scaled = X::float_mul_scalar(x.clone(), FRAC_1_SQRT_2.into());
-    let cdf = X::float_add_scalar(X::float_erf(scaled), 1.0.into());
-    let cdf = X::float_mul_scalar(cdf, 0.5.into());
+    let cdf = normal_cdf::<X>(x.clone());
     let squared = X::float_mul(x.clone(), x.clone());
     let density = X::float_exp(X::float_mul_scalar(squared, (-0.5).into()));
     let density = X::float_mul_scalar(density, (1.0 / (2.0 * PI).sqrt()).into());
@@ -107,9 +111,7 @@ impl Elementwise for Opmath {
             // Under an autodiff backend `Amp` does not list (no node of its own), composed, so
             // that autodiff differentiates `erf` rather than keep Burn's `gelu_backward`.
             Opmath::Gelu if X::ad_enabled(&X::float_device(&x)) => {
-                let scaled = X::float_mul_scalar(x.clone(), FRAC_1_SQRT_2.into());
-                let cdf = X::float_add_scalar(X::float_erf(scaled), 1.0.into());
-                X::float_mul(x, X::float_mul_scalar(cdf, 0.5.into()))
+                X::float_mul(x.clone(), normal_cdf::<X>(x))
             }
             Opmath::Gelu => X::gelu(x),
             Opmath::Tanh => X::float_tanh(x),
