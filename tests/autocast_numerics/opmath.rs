@@ -3,6 +3,8 @@
 //! them step by step in the half dtype (`gelu`'s negative tail thousands of f16 steps off,
 //! `tanh` and `asinh` of a small input 0 or several times it on wgpu). Errors are counted in
 //! steps of the half dtype (its spacing at the exact value); the plain backends' are canaries.
+//! Last, `gelu`'s gradient in f32 against its derivative in f64 (outside Flex, Burn 0.21's is
+//! the tanh approximation's).
 
 use burn::backend::{Autodiff, Flex, Wgpu};
 use burn::tensor::TensorData;
