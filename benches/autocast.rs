@@ -492,23 +492,27 @@ fn main() {
             None => println!("| {name}: no wgpu adapter | | | | |"),
         }
     }
-    match deform {
-        Some((amp, plain)) => println!(
-            "| deform_conv2d 3x3 with mask, 32 ch, 8x32x32, fwd+bwd, Wgpu f32: Amp (right offset and mask gradients) vs plain Burn (wrong) | {:.3} ms | {:.3} ms | {:.3} | (the price of right gradients) |",
-            amp.as_secs_f64() * 1e3,
-            plain.as_secs_f64() * 1e3,
-            ratio(amp, plain)
+    for (name, r, target) in [
+        (
+            "deform_conv2d 3x3 with mask, 32 ch, 8x32x32, fwd+bwd, Wgpu f32: Amp (right offset and mask gradients) vs plain Burn (wrong)",
+            deform,
+            "(the price of right gradients)",
         ),
-        None => println!("| deform_conv2d: no wgpu adapter | | | | |"),
-    }
-    match gelu {
-        Some((amp, plain)) => println!(
-            "| GELU MLP fwd+bwd, Wgpu f32: Amp at F32 (gelu's exact derivative, its own node) vs plain Burn (the tanh approximation's) | {:.3} ms | {:.3} ms | {:.3} | <= 1.03 |",
-            amp.as_secs_f64() * 1e3,
-            plain.as_secs_f64() * 1e3,
-            ratio(amp, plain)
+        (
+            "GELU MLP fwd+bwd, Wgpu f32: Amp at F32 (gelu's exact derivative, its own node) vs plain Burn (the tanh approximation's)",
+            gelu,
+            "<= 1.03",
         ),
-        None => println!("| GELU MLP on wgpu: no wgpu adapter | | | | |"),
+    ] {
+        match r {
+            Some((amp, plain)) => println!(
+                "| {name} | {:.3} ms | {:.3} ms | {:.3} | {target} |",
+                amp.as_secs_f64() * 1e3,
+                plain.as_secs_f64() * 1e3,
+                ratio(amp, plain)
+            ),
+            None => println!("| {name}: no wgpu adapter | | | | |"),
+        }
     }
     println!(
         "| host reads per f16 scaled step: fused AdamW / Burn's Adam | {} | {} | | 0 fused |",

@@ -17,9 +17,7 @@ use common::policy_ops;
 
 fn run_all<B: Backend>(device: B::Device, precision: Precision) {
     let mut h = Harness::<B>::new(device, precision);
-    policy_ops::float_ops(&mut h);
-    policy_ops::activation_ops(&mut h);
-    policy_ops::module_ops(&mut h);
+    policy_ops::every_op(&mut h);
     assert!(
         h.failures.is_empty(),
         "{} ops broke the policy under {precision}:\n{}",
@@ -39,28 +37,13 @@ fn run_all<B: Backend>(device: B::Device, precision: Precision) {
     );
 }
 
-/// Every op of the table through `Amp<B>` with autocast off, against the same op on Flex, on
-/// the same f32 inputs (see [`Harness::against_flex`]): in [0.1, 0.9] (every op's domain), then
-/// in [-4, 4] (negatives: NaN alike where out of the domain).
-pub fn agree_with_flex<B: Backend>(device: B::Device) {
-    for (lo, hi) in [(0.1, 0.9), (-4.0, 4.0)] {
-        let mut h = Harness::<B>::against_flex(device.clone(), false).with_span(lo, hi);
-        policy_ops::float_ops(&mut h);
-        policy_ops::activation_ops(&mut h);
-        policy_ops::module_ops(&mut h);
-        assert!(
-            h.failures.is_empty(),
-            "{} ops differ from Flex's in f32 on [{lo}, {hi}]:\n{}",
-            h.failures.len(),
-            h.failures.join("\n")
-        );
-    }
-}
-
+/// Every op of the table against Flex in f32 (`policy_ops::agree_with_flex`).
 #[test]
 fn every_op_agrees_with_flex_wgpu() {
-    if let Some(device) = common::wgpu_device() {
-        agree_with_flex::<Wgpu>(device);
+    if let Some(device) = common::wgpu_device()
+        && let Err(differences) = policy_ops::agree_with_flex::<Wgpu>(&device, false)
+    {
+        panic!("{differences}");
     }
 }
 

@@ -143,9 +143,7 @@ fn policy_suite<B: burn_backend::Backend>(
     precision: Precision,
 ) -> Result<String, String> {
     let mut h = Harness::<B>::new(device.clone(), precision);
-    policy_ops::float_ops(&mut h);
-    policy_ops::activation_ops(&mut h);
-    policy_ops::module_ops(&mut h);
+    policy_ops::every_op(&mut h);
     let all: BTreeSet<_> = Op::ALL.iter().map(|op| op.name()).collect();
     let missing: Vec<_> = all.difference(&h.exercised).collect();
     if !h.failures.is_empty() {
@@ -166,27 +164,12 @@ fn policy_suite<B: burn_backend::Backend>(
 }
 
 /// Every op of the policy table through `Amp<B>`, autocast off, against Flex's in f32
-/// (`tests/autocast_ops.rs`, `every_op_agrees_with_flex_wgpu`); `tf32`: matmuls may run in
-/// TF32.
+/// (`policy_ops::agree_with_flex`); `tf32`: matmuls may run in TF32.
 fn against_flex_suite<B: burn_backend::Backend>(
     device: &B::Device,
     tf32: bool,
 ) -> Result<String, String> {
-    let mut agreed = Vec::new();
-    for (lo, hi) in [(0.1, 0.9), (-4.0, 4.0)] {
-        let mut h = Harness::<B>::against_flex(device.clone(), tf32).with_span(lo, hi);
-        policy_ops::float_ops(&mut h);
-        policy_ops::activation_ops(&mut h);
-        policy_ops::module_ops(&mut h);
-        if !h.failures.is_empty() {
-            return Err(format!(
-                "{} ops differ from Flex's on [{lo}, {hi}]: {}",
-                h.failures.len(),
-                h.failures.join("; ")
-            ));
-        }
-        agreed.push(h.exercised.len() - h.unsupported.len());
-    }
+    let agreed = policy_ops::agree_with_flex::<B>(device, tf32)?;
     Ok(format!(
         "{} ops on [0.1, 0.9], {} on [-4, 4] within 1e-5 + 1e-4 |Flex's| of Flex's{}",
         agreed[0],

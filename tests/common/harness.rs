@@ -264,13 +264,7 @@ impl<B: Backend> Harness<B> {
         let tol = Tolerance::of(want);
         let got = to_f32::<B>(out);
         let reference = to_f32::<B>(reference);
-        if let Some((i, g, r)) = got
-            .iter()
-            .zip(&reference)
-            .enumerate()
-            .map(|(i, (g, r))| (i, *g, *r))
-            .find(|(_, g, r)| !close(*g, *r, tol))
-        {
+        if let Some((i, g, r)) = first_difference(&got, &reference, tol) {
             self.failures.push(format!(
                 "{}: value {g} at {i}, f32 reference {r} (tolerance {tol:?})",
                 op.name()
@@ -345,13 +339,7 @@ impl<B: Backend> Harness<B> {
         } else {
             Tolerance::F32
         };
-        if let Some((i, g, r)) = got
-            .iter()
-            .zip(&want)
-            .enumerate()
-            .map(|(i, (g, r))| (i, *g, *r))
-            .find(|(_, g, r)| !close(*g, *r, tol))
-        {
+        if let Some((i, g, r)) = first_difference(&got, &want, tol) {
             self.failures.push(format!(
                 "{}: value {g} at {i}, Flex's {r} (tolerance {tol:?})",
                 op.name()
@@ -368,6 +356,15 @@ const WGSL_INVERSE_TRIGONOMETRY: &[&str] =
 
 fn on_wgpu<B: Backend>() -> bool {
     std::any::TypeId::of::<B::Device>() == std::any::TypeId::of::<burn::backend::wgpu::WgpuDevice>()
+}
+
+/// The first element of `got` not [`close`] to `want`'s: its index and both values.
+fn first_difference(got: &[f32], want: &[f32], tol: Tolerance) -> Option<(usize, f32, f32)> {
+    got.iter()
+        .zip(want)
+        .enumerate()
+        .map(|(i, (g, r))| (i, *g, *r))
+        .find(|(_, g, r)| !close(*g, *r, tol))
 }
 
 pub fn close(g: f32, r: f32, tol: Tolerance) -> bool {

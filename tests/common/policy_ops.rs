@@ -262,6 +262,34 @@ pub fn float_ops<B: Backend>(h: &mut Harness<B>) {
     ex!(h, float_grid_sample_2d, [x: [1, 1, 4, 4], grid: [1, 2, 2, 2]], |X, d| X::float_grid_sample_2d(x, grid, GridSampleOptions::default()));
 }
 
+/// Exercises every op of the table: `FloatTensorOps`, `ActivationOps`, `ModuleOps`.
+pub fn every_op<B: Backend>(h: &mut Harness<B>) {
+    float_ops(h);
+    activation_ops(h);
+    module_ops(h);
+}
+
+/// Every op through `Amp<B>` with autocast off against the same op on Flex
+/// ([`Harness::against_flex`]), on inputs in [0.1, 0.9] (every op's domain), then in [-4, 4]
+/// (negatives: NaN alike where out of the domain). The ops compared on each span, or what
+/// differed.
+pub fn agree_with_flex<B: Backend>(device: &B::Device, tf32: bool) -> Result<[usize; 2], String> {
+    let mut agreed = [0; 2];
+    for (count, (lo, hi)) in agreed.iter_mut().zip([(0.1, 0.9), (-4.0, 4.0)]) {
+        let mut h = Harness::<B>::against_flex(device.clone(), tf32).with_span(lo, hi);
+        every_op(&mut h);
+        if !h.failures.is_empty() {
+            return Err(format!(
+                "{} ops differ from Flex's in f32 on [{lo}, {hi}]:\n{}",
+                h.failures.len(),
+                h.failures.join("\n")
+            ));
+        }
+        *count = h.exercised.len() - h.unsupported.len();
+    }
+    Ok(agreed)
+}
+
 /// Exercises `ActivationOps`.
 pub fn activation_ops<B: Backend>(h: &mut Harness<B>) {
     ex!(h, relu, [a: [4, 6]], |X, d| X::relu(X::float_sub_scalar(a, f(0.5))));

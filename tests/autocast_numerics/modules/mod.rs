@@ -145,6 +145,18 @@ impl<B: AutodiffBackend> Cx<B> {
         x
     }
 
+    /// A tracked f32 input of `values`, whose gradient is compared.
+    fn tracked<const D: usize>(
+        &mut self,
+        name: &str,
+        values: Vec<f32>,
+        shape: [usize; D],
+    ) -> Tensor<B, D> {
+        let x = Tensor::from_data(TensorData::new(values, shape), &self.device).require_grad();
+        self.track(name, x.clone());
+        x
+    }
+
     /// Reads `x`'s gradient after the backward.
     fn track<const D: usize>(&mut self, name: &str, x: Tensor<B, D>) {
         let read: InputReader<B> = Box::new(move |grads| {
@@ -168,9 +180,7 @@ impl<B: AutodiffBackend> Cx<B> {
         let v: Vec<f32> = (0..n)
             .map(|i| lo + (hi - lo) * ((i as f64 * phi + 0.1).fract() as f32))
             .collect();
-        let x = Tensor::<B, D>::from_data(TensorData::new(v, shape), &self.device).require_grad();
-        self.track(name, x.clone());
-        x
+        self.tracked(name, v, shape)
     }
 
     /// A tracked f32 input on the grid, at least `margin` from each of `kinks`, cast to the
@@ -195,9 +205,7 @@ impl<B: AutodiffBackend> Cx<B> {
                 v.push(x);
             }
         }
-        let x = Tensor::<B, D>::from_data(TensorData::new(v, shape), &self.device).require_grad();
-        self.track(name, x.clone());
-        x.cast(self.low)
+        self.tracked(name, v, shape).cast(self.low)
     }
 
     fn ints<const D: usize>(&mut self, shape: [usize; D], below: usize) -> Tensor<B, D, Int> {
