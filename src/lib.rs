@@ -17,6 +17,8 @@
 //! - [`GradientAccumulation`]: any optimizer made to step once per N micro-batches, on
 //!   their mean (f32 sums), loss-scaling aware, resumable mid-window ([`accumulate`]).
 //! - [`grads::GradList`]: a module's gradients as one list (global norm, clipping, unscale).
+//! - [`custom_op::CustomOp`]: autocast for an op of your own backend trait (a custom
+//!   kernel): how the policy treats it and which dtypes its kernel reads.
 //! - [`Frozen`]: a module whose parameters take no gradient and no optimizer state, and can
 //!   be stored in bf16/f16, while the gradient flows through it ([`frozen`]).
 //!
@@ -35,6 +37,7 @@
 pub mod accumulate;
 pub mod amp_optimizer;
 pub mod backend;
+pub mod custom_op;
 pub mod doctor;
 pub mod error;
 pub mod frozen;

@@ -113,7 +113,8 @@ enum Part {
 /// What the check needs of a backend: `Fused` is the backend users train on (fusion over
 /// CubeCL), `Bare` the CubeCL backend under it (the kernels have a path for each).
 pub trait Target {
-    type Fused: AmpKernels + DeviceMemory;
+    /// (`FusedBackend`: the numerics part's custom op, implemented for every CubeCL backend.)
+    type Fused: AmpKernels + DeviceMemory + numerics::custom_op::FusedBackend;
     type Bare: AmpKernels<Device = Device<Self>>;
     /// Autocast over autodiff over `Fused`, as the examples train (the bounds are spelled
     /// here, proven once per target, so that generic code sees one device type).

@@ -3,8 +3,8 @@
 //! (CUDA, and bf16 on a CubeCL backend: WGSL has none):
 //! - what autodiff keeps under autocast (the weight-cast cache, shared activation casts,
 //!   recomputed widening and outputs: gradients bitwise those of the plain run, and within
-//!   half precision of f32), pooling, deformable convolution and attention against f32, at
-//!   f16 and bf16;
+//!   half precision of f32), pooling, deformable convolution, attention and an op of the
+//!   user's own backend trait (`CustomOp`) against f32, at f16 and bf16;
 //! - the Burn 0.21 defects `Amp` works around: products with signs and zeros against an f64
 //!   reference, interpolation's backward against Flex's, picks broadcast by fused ops, average
 //!   pools' gradients (and whether plain Burn gets those wrong on this backend too), the
@@ -42,6 +42,8 @@ include!("../../tests/autocast_numerics/helpers.rs");
 mod attention;
 #[path = "../../tests/autocast_numerics/cast_cache.rs"]
 mod cast_cache;
+#[path = "../../tests/autocast_numerics/custom_op.rs"]
+pub(crate) mod custom_op;
 #[path = "../../tests/autocast_numerics/deform_conv.rs"]
 mod deform_conv;
 #[path = "../../tests/autocast_numerics/empty.rs"]
@@ -135,6 +137,10 @@ fn at_precision<T: Target>() -> Vec<(&'static str, AtPrecision<T>)> {
         (
             "modules: 78 burn-nn layers, activations, losses and architecture blocks, loss, gradients and state against f32",
             modules::check_modules::<F<T>> as AtPrecision<T>,
+        ),
+        (
+            "custom_op: a backend trait of the user's own, its inputs lowered, against f32",
+            custom_op::lowered::<F<T>> as AtPrecision<T>,
         ),
         (
             "attention: softmax in f32 (large logits, 70,000 keys), gradients",

@@ -160,7 +160,8 @@ fn widest(seen: u8) -> FloatDType {
 
 /// Resolves one op call: sees the float inputs, then tells the dtype to cast them to.
 pub(crate) struct Autocast<B: Backend> {
-    op: Op,
+    /// The op of the table; `None` for a [custom op](crate::custom_op).
+    op: Option<Op>,
     category: Category,
     /// The dtype category `Lower` lowers to, once known.
     low: Option<FloatDType>,
@@ -179,7 +180,16 @@ pub(crate) struct Autocast<B: Backend> {
 impl<B: Backend> Autocast<B> {
     #[inline(always)]
     pub(crate) fn new(op: Op) -> Self {
-        let category = op.category();
+        Self::of(Some(op), op.category())
+    }
+
+    /// A [custom op](crate::custom_op) of `category`.
+    pub(crate) fn custom(category: Category) -> Self {
+        Self::of(None, category)
+    }
+
+    #[inline(always)]
+    fn of(op: Option<Op>, category: Category) -> Self {
         let (low, low_pending, asked, memo) = match category {
             // Their dtype follows the inputs alone: no setting to read.
             Category::Promote | Category::Pass => (None, false, None, None),
@@ -257,6 +267,14 @@ impl<B: Backend> Autocast<B> {
             }
         };
         (self.seen != bit(target)).then_some(target)
+    }
+
+    /// The dtype the inputs have once cast: the target, or the one they share; `None` when
+    /// no float input was seen.
+    pub(crate) fn dtype(&self) -> Option<FloatDType> {
+        // Without a target the inputs share one dtype: the widest is it.
+        self.target()
+            .or_else(|| (self.seen != 0).then(|| widest(self.seen)))
     }
 
     /// Whether this `Lower` op runs in a low dtype: autocast is on and no input is f64.
@@ -342,7 +360,9 @@ fn resolve_low_cold<B: Backend>(
 pub(crate) struct Plan {
     /// The dtype to cast the float inputs to, or `None` when they are already right.
     pub(crate) target: Option<FloatDType>,
-    op: Op,
+    /// The op of the table; `None` for a custom op (whose backward's needs are unknown: a
+    /// widened input is then a plain cast).
+    op: Option<Op>,
     /// For a `Lower` op, how many of its float inputs autodiff does not track.
     untracked: Option<u8>,
 }
@@ -364,7 +384,10 @@ impl Plan {
                     return super::workarounds::empty::float_cast::<B>(tensor, target);
                 }
                 super::cast_cache::cast::<B>(tensor, target, self.untracked)
-                    .or_else(|tensor| super::upcast::cast::<B>(tensor, target, self.op))
+                    .or_else(|tensor| match self.op {
+                        Some(op) => super::upcast::cast::<B>(tensor, target, op),
+                        None => Err(tensor),
+                    })
                     .unwrap_or_else(|tensor| B::float_cast(tensor, target))
             }
             _ => tensor,

@@ -6,7 +6,9 @@ use burn_backend::{Backend, TensorMetadata};
 use serde::Serialize;
 
 use super::backtrace::{self, Frame};
-use super::{Installed, Probe, Session, TensorInfo, any_nonfinite, category_name, host_values};
+use super::{
+    Installed, Probe, ProbedOp, Session, TensorInfo, any_nonfinite, category_name, host_values,
+};
 use crate::backend::Op;
 use crate::error::AmpError;
 
@@ -394,7 +396,7 @@ pub(crate) fn check<B: Backend>(probe: &Probe<B>, outputs: &[&B::FloatTensorPrim
     } else {
         Phase::Forward
     };
-    let op: Op = probe.op;
+    let op = probe.op;
     let anomaly = Anomaly {
         op: op.name(),
         category: category_name(op.category()),
@@ -416,13 +418,15 @@ pub(crate) fn check<B: Backend>(probe: &Probe<B>, outputs: &[&B::FloatTensorPrim
 }
 
 /// Ops that write their scalar operand into the output as it is.
-fn places_scalar(op: Op) -> bool {
+fn places_scalar(op: ProbedOp) -> bool {
     matches!(
         op,
-        Op::float_mask_fill
-            | Op::float_full
-            | Op::float_clamp
-            | Op::float_clamp_min
-            | Op::float_clamp_max
+        ProbedOp::Table(
+            Op::float_mask_fill
+                | Op::float_full
+                | Op::float_clamp
+                | Op::float_clamp_min
+                | Op::float_clamp_max
+        )
     )
 }

@@ -39,6 +39,7 @@ use burn_std::{FloatDType, Shape};
 use serde::Serialize;
 
 use crate::backend::{Category, Op};
+use crate::custom_op::CustomOp;
 
 /// Threads with a session on: the only thing an op reads while every session is off.
 static ACTIVE: AtomicUsize = AtomicUsize::new(0);
@@ -123,10 +124,34 @@ enum Kind {
     Compare,
 }
 
+/// The op a probe watches: one of the policy table's, or a [custom op](crate::custom_op).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum ProbedOp {
+    Table(Op),
+    Custom(CustomOp),
+}
+
+impl ProbedOp {
+    fn name(self) -> &'static str {
+        match self {
+            Self::Table(op) => op.name(),
+            Self::Custom(op) => op.name(),
+        }
+    }
+
+    fn category(self) -> Category {
+        match self {
+            Self::Table(op) => op.category(),
+            Self::Custom(op) => op.category(),
+        }
+    }
+}
+
 /// One op call under a session: written by the `autocast_ops!` macro around every float op
-/// of `Amp<B>`. `start` is `None` whenever no session is on, and that is all an op pays.
+/// of `Amp<B>`, and by [`CustomOp::run`]. `start` is `None` whenever no session is on, and
+/// that is all an op pays.
 pub struct Probe<B: Backend> {
-    op: Op,
+    op: ProbedOp,
     kind: Kind,
     /// The float inputs as the caller gave them (anomaly: were they finite already?).
     inputs: Vec<B::FloatTensorPrimitive>,
@@ -148,12 +173,21 @@ impl<B: Backend> Probe<B> {
         if ACTIVE.load(Ordering::Relaxed) == 0 {
             return None;
         }
-        Self::start_cold(op)
+        Self::start_cold(ProbedOp::Table(op))
+    }
+
+    /// [`start`](Self::start) for a custom op.
+    #[inline(always)]
+    pub(crate) fn start_custom(op: CustomOp) -> Option<Self> {
+        if ACTIVE.load(Ordering::Relaxed) == 0 {
+            return None;
+        }
+        Self::start_cold(ProbedOp::Custom(op))
     }
 
     #[cold]
     #[inline(never)]
-    fn start_cold(op: Op) -> Option<Self> {
+    fn start_cold(op: ProbedOp) -> Option<Self> {
         if !makes_floats(op) || BUSY.with(Cell::get) {
             return None;
         }
@@ -242,9 +276,12 @@ impl<B: Backend> Probe<B> {
 }
 
 /// Ops whose output holds no float values to check (comparisons, indices, metadata), and
-/// `float_empty`, whose values are whatever the memory held.
-fn makes_floats(op: Op) -> bool {
+/// `float_empty`, whose values are whatever the memory held. A custom op makes floats.
+fn makes_floats(op: ProbedOp) -> bool {
     use Op::*;
+    let ProbedOp::Table(op) = op else {
+        return true;
+    };
     !matches!(
         op,
         float_empty

@@ -10,8 +10,7 @@ use burn_backend::TensorMetadata;
 use serde::Serialize;
 
 use super::gradients::Gradients;
-use super::{GradientPrecision, Installed, Session, category_name, host_values};
-use crate::backend::Op;
+use super::{GradientPrecision, Installed, ProbedOp, Session, category_name, host_values};
 use crate::error::AmpError;
 use crate::precision::{Precision, autocast};
 
@@ -281,7 +280,7 @@ impl PrecisionReport {
 
 /// An op's output in the f32 run.
 struct Recorded {
-    op: Op,
+    op: ProbedOp,
     shape: Vec<usize>,
     values: Option<Vec<f32>>,
 }
@@ -312,7 +311,7 @@ impl Comparison {
     }
 }
 
-pub(crate) fn record<B: Backend>(op: Op, output: &B::FloatTensorPrimitive) {
+pub(crate) fn record<B: Backend>(op: ProbedOp, output: &B::FloatTensorPrimitive) {
     let shape = output.shape().to_vec();
     let n: usize = shape.iter().product();
     let keep = super::with_session(|s| match s {
@@ -330,7 +329,7 @@ pub(crate) fn record<B: Backend>(op: Op, output: &B::FloatTensorPrimitive) {
 }
 
 pub(crate) fn compare<B: Backend>(
-    op: Op,
+    op: ProbedOp,
     output: &B::FloatTensorPrimitive,
     shadow: Option<&B::FloatTensorPrimitive>,
 ) {

@@ -10,7 +10,8 @@
 //! counting `#[global_allocator]`, for the SiLU measurement) and `support.rs` the tests;
 //! `cast_cache.rs`, `shared_casts.rs`, `upcast.rs` and `recompute.rs` test what autodiff keeps
 //! under autocast (gradients bitwise, bytes by hand); `modules/` burn-nn's modules and
-//! losses as a model holds them, against f32.
+//! losses as a model holds them, against f32; `custom_op.rs` an op of the user's own backend
+//! trait (`burn_amp::custom_op`).
 
 #[path = "../common/mod.rs"]
 mod common;
@@ -40,6 +41,7 @@ macro_rules! flex_and_wgpu_tests {
 
 mod attention;
 mod cast_cache;
+mod custom_op;
 mod deform_conv;
 mod empty;
 mod empty_reductions;
