@@ -113,8 +113,12 @@ enum Part {
 /// What the check needs of a backend: `Fused` is the backend users train on (fusion over
 /// CubeCL), `Bare` the CubeCL backend under it (the kernels have a path for each).
 pub trait Target {
-    /// (`FusedBackend`: the numerics part's custom op, implemented for every CubeCL backend.)
+    /// (`FusedBackend`: the numerics part's custom op, implemented for every CubeCL backend;
+    /// the test-harness build has no numerics part, see `mod numerics`.)
+    #[cfg(not(test))]
     type Fused: AmpKernels + DeviceMemory + numerics::custom_op::FusedBackend;
+    #[cfg(test)]
+    type Fused: AmpKernels + DeviceMemory;
     type Bare: AmpKernels<Device = Device<Self>>;
     /// Autocast over autodiff over `Fused`, as the examples train (the bounds are spelled
     /// here, proven once per target, so that generic code sees one device type).
