@@ -103,10 +103,8 @@ fn offset_and_mask_gradients<B: Backend>(
         Shape::from([batch, groups, channels / groups, taps * out_h * out_w]),
     );
     let taps_of = Taps::<B>::new(x, offset, [kh, kw], options);
-    // Σ over each offset group's channels of `columns · corner`, 0 off the image: the
-    // sampling weights (fractions, inside or not) are the same for every channel of a group,
-    // so the sums are taken first and the interpolation is done on `[batch, groups, 1, ·]`
-    // (a gather and a multiply-add per corner on the full size, the rest a channel's worth).
+    // Each corner's `S = Σ_c columns · pixel` (module docs), 0 off the image:
+    // `[batch, groups, 1, taps · positions]`.
     let [s00, s01, s10, s11] = taps_of.corners.map(|(corner, inside)| {
         let sum = B::float_sum_dim(B::float_mul(columns.clone(), corner), 2);
         B::float_mul(sum, inside)
