@@ -188,12 +188,25 @@ pub(crate) fn check<L: Loss>(l: &L, data: &[(Vec<f64>, [usize; 2])], what: &str)
     }
     let from_f32 = [Precision::F32, Precision::F16, Precision::Bf16]
         .map(|precision| relative_error(&want, &amp(precision, DType::F32)));
-    let judged = |run: &dyn Fn() -> Vec<Vec<f64>>| match catch_unwind(AssertUnwindSafe(run)) {
+    let judged_once = |run: &dyn Fn() -> Vec<Vec<f64>>| match catch_unwind(AssertUnwindSafe(run)) {
         Ok(got) => match mismatch(&want, &got, l.tolerance()) {
             Some(wrong) => Plain::Wrong(wrong),
             None => Plain::Right,
         },
         Err(e) => Plain::Panics(panic_message(e)),
+    };
+    // Wrong is judged three times: burn-autodiff's `cat` drops the gradients before it while
+    // another thread runs a backward (README, "Defects of Burn 0.21"), as the tests beside
+    // this one do; its defects fail every run.
+    let judged = |run: &dyn Fn() -> Vec<Vec<f64>>| {
+        let mut verdict = judged_once(run);
+        for _ in 0..2 {
+            if matches!(verdict, Plain::Right) {
+                break;
+            }
+            verdict = judged_once(run);
+        }
+        verdict
     };
     let plain = judged(&|| differentiated::<Autodiff<Flex>, L>(l, data, DType::F64));
     // `Amp` below autodiff: burn-autodiff's nodes (and defects), `Amp` under them.

@@ -388,40 +388,57 @@ fn check_stack<A: AutodiffBackend>(
     let mut failures = Vec::new();
     let cases = cases::<Autodiff<Flex>>().into_iter().zip(cases::<A>());
     for ((name, reference), (_, amp)) in cases {
-        let (want, weights) = run(reference, Default::default(), None, None);
-        let (got, _) = run(amp, device.clone(), Some(weights), Some(precision));
-        let scale = largest_rms(&want.values);
-        let mut worst = 0f32;
-        for (what, w) in &want.values {
-            let Some((_, g)) = got.values.iter().find(|(n, _)| n == what) else {
-                failures.push(format!("{stack} {name}: no {what}"));
-                continue;
-            };
-            let err = error(g, w, scale);
-            worst = worst.max(err);
-            if !within(err, tolerance) {
-                failures.push(format!("{stack} {name}: {what} error {err:.2e}"));
+        // A case that fails runs twice more: burn-autodiff's `cat` (the reference's, and the
+        // one above `Amp` below autodiff) drops the gradients before it while another thread
+        // runs a backward (README, "Defects of Burn 0.21"), as the tests beside this one do. A
+        // wrong value fails every run.
+        let mut failed = Vec::new();
+        for _ in 0..3 {
+            let (want, weights) = run(reference, Default::default(), None, None);
+            let (got, _) = run(amp, device.clone(), Some(weights), Some(precision));
+            let worst;
+            (failed, worst) = compare(&got, &want, tolerance, above_autodiff);
+            eprintln!("  {stack} {name}: worst error {worst:.2e}");
+            if failed.is_empty() {
+                break;
             }
         }
-        if got.values.len() != want.values.len() {
-            failures.push(format!(
-                "{stack} {name}: {} values, f32 gave {}",
-                got.values.len(),
-                want.values.len()
-            ));
-        }
-        // Below autodiff the casts are invisible to it: a parameter read by a lowered op may
-        // get a half gradient there (README, "Below autodiff"; the optimizers cast it).
-        for (what, dtype) in got.grad_dtypes.iter().filter(|_| above_autodiff) {
-            if *dtype != DType::F32 {
-                failures.push(format!(
-                    "{stack} {name}: {what}'s gradient is {dtype:?}, not f32"
-                ));
-            }
-        }
-        eprintln!("  {stack} {name}: worst error {worst:.2e}");
+        failures.extend(failed.iter().map(|f| format!("{stack} {name}: {f}")));
     }
     failures
+}
+
+/// What of `got` is not `want` within `tolerance`, and the worst error.
+fn compare(got: &Run, want: &Run, tolerance: f32, above_autodiff: bool) -> (Vec<String>, f32) {
+    let mut failures = Vec::new();
+    let scale = largest_rms(&want.values);
+    let mut worst = 0f32;
+    for (what, w) in &want.values {
+        let Some((_, g)) = got.values.iter().find(|(n, _)| n == what) else {
+            failures.push(format!("no {what}"));
+            continue;
+        };
+        let err = error(g, w, scale);
+        worst = worst.max(err);
+        if !within(err, tolerance) {
+            failures.push(format!("{what} error {err:.2e}"));
+        }
+    }
+    if got.values.len() != want.values.len() {
+        failures.push(format!(
+            "{} values, f32 gave {}",
+            got.values.len(),
+            want.values.len()
+        ));
+    }
+    // Below autodiff the casts are invisible to it: a parameter read by a lowered op may get
+    // a half gradient there (README, "Below autodiff"; the optimizers cast it).
+    for (what, dtype) in got.grad_dtypes.iter().filter(|_| above_autodiff) {
+        if *dtype != DType::F32 {
+            failures.push(format!("{what}'s gradient is {dtype:?}, not f32"));
+        }
+    }
+    (failures, worst)
 }
 
 flex_and_wgpu_tests!(check_modules: modules_f16_flex, modules_bf16_flex, modules_f16_wgpu);

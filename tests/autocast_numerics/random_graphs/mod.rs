@@ -110,20 +110,25 @@ fn assert_same(case: &Case, got: &[TensorData], want: &[TensorData], what: &str,
 
 /// `got` is `want` within `tolerance` relative L2 per result (0: bit for bit).
 fn assert_within(case: &Case, got: &[TensorData], want: &[TensorData], what: &str, tolerance: f32) {
-    assert_eq!(got.len(), want.len());
-    for (i, (g, w)) in got.iter().zip(want).enumerate() {
-        let same = same_bits(g, w) || {
-            let (g, w) = (g.to_vec::<f32>().unwrap(), w.to_vec::<f32>().unwrap());
-            g.len() == w.len() && rel_l2(&g, &w) <= tolerance
-        };
-        assert!(
-            same,
+    if let Some(i) = first_outside(got, want, tolerance) {
+        panic!(
             "random graph (seed {}): result {i} (the loss values, then a gradient per tracked \
              leaf, per forward) differs with {what}\n  nodes: {:?}\n  outputs: {:?}, two \
              losses: {}",
             case.seed, case.nodes, case.outputs, case.two_losses
         );
     }
+}
+
+/// The first result of `got` not within `tolerance` relative L2 of `want`'s (0: bit for bit).
+fn first_outside(got: &[TensorData], want: &[TensorData], tolerance: f32) -> Option<usize> {
+    assert_eq!(got.len(), want.len());
+    got.iter().zip(want).position(|(g, w)| {
+        !(same_bits(g, w) || {
+            let (g, w) = (g.to_vec::<f32>().unwrap(), w.to_vec::<f32>().unwrap());
+            g.len() == w.len() && rel_l2(&g, &w) <= tolerance
+        })
+    })
 }
 
 /// Every saving on and off, alone and together, under both checkpointing strategies: bitwise
@@ -253,9 +258,25 @@ pub(crate) fn savings_change_no_value_on<X: Backend>(
         // `Amp`'s own nodes (a product, a copied pick) change: within 1e-5 relative L2
         // (seed 296: 6.5e-9). `Amp`'s products are the kernel's (`products.rs`), plain
         // autodiff's `exp(sum(log x))`, with other gradients: within 1e-3 there.
-        let plain = run::<Autodiff<X>>(&case, device);
         let products = case.has(&[Op::ProdDim, Op::Cumprod]);
         let tolerance = if exact && !products { 1e-5 } else { 1e-3 };
+        // Plain autodiff's `cat` loses the gradients before it while another thread runs a
+        // backward (README, "Defects of Burn 0.21"; `Amp` holds its inputs): seed 80 failed so
+        // beside the other tests in CI (2026-12-05); beside a thread running backwards, 4 to 7
+        // of 300 plain runs of it lost a gradient, `Amp`'s 0 of 300. A graph with a cat gets
+        // up to 4 more plain runs before `Amp` is called wrong.
+        let retries = if case.has(&[Op::CatOfHalves, Op::TransposedBiasCat, Op::Cross]) {
+            4
+        } else {
+            0
+        };
+        let mut plain = run::<Autodiff<X>>(&case, device);
+        for _ in 0..retries {
+            if first_outside(&f32, &plain, tolerance).is_none() {
+                break;
+            }
+            plain = run::<Autodiff<X>>(&case, device);
+        }
         assert_within(
             &case,
             &f32,
