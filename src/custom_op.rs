@@ -55,8 +55,10 @@
 //!
 //! [`CustomOp::run`] casts, calls the op and shows it to the [precision doctor](crate::doctor),
 //! which then names it when it creates an inf or NaN and measures what it loses in half
-//! precision. [`CustomOp::cast`] casts alone (an op with several outputs); the doctor does not
-//! see such an op, and an inf it creates shows as one passed on by the next op.
+//! precision; [`CustomOp::run_many`] does the same for several float outputs.
+//! [`CustomOp::cast`] casts alone (an op with int outputs too, or a number of inputs known at
+//! run time); the doctor does not see such an op, and an inf it creates shows as one passed on
+//! by the next op.
 
 use burn_backend::Backend;
 use burn_backend::tensor::FloatTensor;
@@ -129,6 +131,26 @@ impl CustomOp {
         inputs: [FloatTensor<B>; N],
         op: impl Fn([FloatTensor<B>; N]) -> FloatTensor<B>,
     ) -> FloatTensor<B> {
+        self.probed::<B, N, _>(inputs, op)
+    }
+
+    /// [`run`](Self::run) for an op with several float outputs (a fused layer norm's output,
+    /// mean and inverse deviation; an attention's output and log-sum-exp), all in the dtype
+    /// the op ran in. The doctor checks them together (the first with an inf or NaN is
+    /// reported) and measures each as a call of its own.
+    pub fn run_many<B: Backend, const N: usize, const M: usize>(
+        &self,
+        inputs: [FloatTensor<B>; N],
+        op: impl Fn([FloatTensor<B>; N]) -> [FloatTensor<B>; M],
+    ) -> [FloatTensor<B>; M] {
+        self.probed::<B, N, _>(inputs, op)
+    }
+
+    fn probed<B: Backend, const N: usize, O: Outputs<FloatTensor<B>>>(
+        &self,
+        inputs: [FloatTensor<B>; N],
+        op: impl Fn([FloatTensor<B>; N]) -> O,
+    ) -> O {
         let plan = self.plan::<B>(inputs.iter());
         let mut probe = Probe::<B>::start_custom(*self);
         if let Some(probe) = probe.as_mut() {
@@ -137,7 +159,7 @@ impl CustomOp {
             }
             if self.reads(FloatDType::F32) && probe.wants_shadow(plan.target) {
                 let shadow = op(inputs.each_ref().map(Probe::<B>::shadow_input));
-                probe.shadow(&shadow);
+                probe.shadow_floats(&shadow.floats());
             }
         }
         let inputs = inputs.map(|x| plan.cast::<B>(x));
@@ -148,15 +170,15 @@ impl CustomOp {
         }
         let out = op(inputs);
         if let Some(probe) = probe {
-            probe.finish(&out);
+            probe.finish_floats(&out.floats());
         }
         out
     }
 
     /// The op's float inputs, cast as the policy and the thread's precision say, into a dtype
-    /// the op reads: all in one dtype. For an op with several outputs or a number of inputs
-    /// known at run time ([`cast_vec`](Self::cast_vec)); the doctor does not see the op (see
-    /// [`run`](Self::run)).
+    /// the op reads: all in one dtype. For an op whose outputs are not all floats (values and
+    /// their indices) or whose number of inputs is known at run time
+    /// ([`cast_vec`](Self::cast_vec)); the doctor does not see the op (see [`run`](Self::run)).
     pub fn cast<B: Backend, const N: usize>(
         &self,
         inputs: [FloatTensor<B>; N],
@@ -190,5 +212,23 @@ impl CustomOp {
             plan.target = Some(read);
         }
         plan
+    }
+}
+
+/// What [`CustomOp::run`] and [`CustomOp::run_many`] return: the op's float outputs, for the
+/// doctor.
+trait Outputs<F> {
+    fn floats(&self) -> Vec<&F>;
+}
+
+impl<F> Outputs<F> for F {
+    fn floats(&self) -> Vec<&F> {
+        vec![self]
+    }
+}
+
+impl<F, const M: usize> Outputs<F> for [F; M] {
+    fn floats(&self) -> Vec<&F> {
+        self.iter().collect()
     }
 }

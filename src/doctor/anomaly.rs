@@ -18,7 +18,8 @@ use crate::error::AmpError;
 /// and one line on the `log` crate's `error` level.
 ///
 /// Each op then reads a scalar back to the host: a debugging mode (see the overhead figures
-/// in the README). Masks filled with `-inf` are not blamed (their scalar is already inf);
+/// in the README). Masks filled with `-inf` are not blamed (their scalar is already inf), nor
+/// is host data that holds inf/NaN: [`AnomalyGuard::entered`] tells where such a value came in;
 /// for models that make infinities on purpose in other ways, [`detect_nan`] checks NaN only.
 ///
 /// At f16 with a loss scaler, the first steps overflow on purpose while the scale settles;
@@ -74,6 +75,23 @@ impl AnomalyGuard {
         self.read(|s| s.first.as_deref().cloned())
     }
 
+    /// The first inf/NaN that no watched op made, where it came in: host data loaded with it
+    /// (`float_from_data`: a batch, an additive mask's `-inf`, a record), or an input in which
+    /// the step's first op to meet a non-finite value found it (a tensor made on another
+    /// thread, such as a data loader's, or before the guard; a gradient from the backward
+    /// above `Amp`; a parameter an optimizer kernel spoilt; a custom op called through `cast`
+    /// alone). Not an error ([`check`] stays `Ok`): a mask's `-inf` comes in this way. `None`
+    /// where the step's first non-finite value was made by a watched op ([`report`]) or placed
+    /// (a mask filled with `-inf`: for the rest of that step, where a value came from is not
+    /// told; [`detect_nan`] ignores such masks). Steps are `AmpOptimizer`'s.
+    ///
+    /// [`check`]: Self::check
+    ///
+    /// [`report`]: Self::report
+    pub fn entered(&self) -> Option<Entered> {
+        self.read(|s| s.entered.as_deref().cloned())
+    }
+
     /// `Err(AmpError::Anomaly)` once an op has created an inf/NaN.
     pub fn check(&self) -> Result<(), AmpError> {
         match self.report() {
@@ -97,11 +115,13 @@ impl AnomalyGuard {
         self.read(|s| s.created)
     }
 
-    /// Forgets the report, to find the next one.
+    /// Forgets the report (and what [`entered`](Self::entered)), to find the next one.
     pub fn clear(&self) {
         super::with_session(|s| {
             if let Session::Anomaly(state) = s {
                 state.first = None;
+                state.entered = None;
+                state.seen = false;
                 state.passed_on = 0;
                 state.created = 0;
             }
@@ -128,12 +148,16 @@ pub(crate) struct State {
     created: u64,
     // Boxed: a session is mostly without a report.
     first: Option<Box<Anomaly>>,
+    /// A non-finite output was met in this step.
+    seen: bool,
+    entered: Option<Box<Entered>>,
 }
 
 impl State {
     pub(crate) fn next_step(&mut self) {
         self.step += 1;
         self.call = 0;
+        self.seen = false;
     }
 }
 
@@ -289,16 +313,12 @@ impl Anomaly {
 
 impl fmt::Display for Anomaly {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let phase = match &self.phase {
-            Phase::Forward => "forward".to_string(),
-            Phase::Backward { of: Some(of) } => format!("backward of {of}"),
-            Phase::Backward { of: None } => "backward".to_string(),
-        };
         writeln!(
             f,
-            "{} ({} op, {phase}, step {}, op call {}) produced {} in {}",
+            "{} ({} op, {}, step {}, op call {}) produced {} in {}",
             self.op,
             self.category,
+            self.phase,
             self.step,
             self.call,
             self.values,
@@ -322,17 +342,116 @@ impl fmt::Display for Anomaly {
                 to.to_lowercase()
             )?;
         }
-        for (i, frame) in self.backtrace.iter().take(8).enumerate() {
-            writeln!(f, "  {} {frame}", if i == 0 { "at" } else { "  " })?;
-        }
-        if self.backtrace.is_empty() {
-            writeln!(
-                f,
-                "  (no frame of the model's code: build with debug symbols, or the op ran \
-                 outside it)"
-            )?;
-        }
+        write_frames(f, &self.backtrace)?;
         write!(f, "  advice: {}", self.advice())
+    }
+}
+
+/// An inf or NaN no watched op made: where it was first met, in an op's input.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Entered {
+    /// The op that read it, named as the backend trait's method.
+    pub op: &'static str,
+    /// Forward or backward.
+    pub phase: Phase,
+    /// Training step (counted by `AmpOptimizer`'s steps since the guard was made).
+    pub step: u64,
+    /// The op's index among the float ops of that step.
+    pub call: u64,
+    /// The input's position among the op's float inputs; `None` for `float_from_data`, which
+    /// brought it in from host data (a batch, a mask, a record).
+    pub input: Option<usize>,
+    /// The input as it reached the op (before autocast's cast), or the data's tensor.
+    pub tensor: TensorInfo,
+    /// How many of its values were non-finite.
+    pub values: NonFinite,
+    /// The call stack at the op, trimmed to the model's frames (first: the innermost).
+    pub backtrace: Vec<Frame>,
+}
+
+impl Entered {
+    fn at<B: Backend>(
+        probe: &Probe<B>,
+        input: Option<usize>,
+        tensor: &B::FloatTensorPrimitive,
+        (step, call): (u64, u64),
+    ) -> Self {
+        let (backtrace, phase) = where_now();
+        let entered = Self {
+            op: probe.op.name(),
+            phase,
+            step,
+            call,
+            input,
+            tensor: TensorInfo::of::<B>(tensor),
+            values: NonFinite::count(&host_values::<B>(tensor)),
+            backtrace,
+        };
+        log::warn!("burn-amp: {entered}");
+        entered
+    }
+
+    /// The innermost frame of the model's code: where the op was called.
+    pub fn user_frame(&self) -> Option<&Frame> {
+        self.backtrace.first()
+    }
+
+    /// What to do about it, in a sentence.
+    pub fn advice(&self) -> String {
+        if self.input.is_none() {
+            return "the host data already held it: check the batch (a division by zero in \
+                    preprocessing, a missing value read as NaN) or the record loaded; an \
+                    additive attention mask's -inf is expected here"
+                .into();
+        }
+        "no op that the doctor watches made this value: check what reaches this line: the \
+         batch (`x.is_nan().any()` on the inputs, a division by zero in preprocessing), the \
+         parameters (a previous update: under `Amp<Autodiff<B>>` the backward runs below \
+         `Amp`, unseen, and only the loss scaler skips a non-finite step), a custom op called \
+         through `CustomOp::cast` alone, a constant built with inf/NaN (`mask_fill` places a \
+         mask's `-inf` without a report)"
+            .into()
+    }
+}
+
+impl fmt::Display for Entered {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let source = match self.input {
+            Some(input) => format!("read {} in its input {input}", self.values),
+            None => format!("loaded {} from host data", self.values),
+        };
+        writeln!(
+            f,
+            "{} ({}, step {}, op call {}) {source} ({}), made by no watched op",
+            self.op, self.phase, self.step, self.call, self.tensor
+        )?;
+        write_frames(f, &self.backtrace)?;
+        write!(f, "  advice: {}", self.advice())
+    }
+}
+
+/// The model's frames, innermost first, as a report prints them.
+fn write_frames(f: &mut fmt::Formatter<'_>, frames: &[Frame]) -> fmt::Result {
+    for (i, frame) in frames.iter().take(8).enumerate() {
+        writeln!(f, "  {} {frame}", if i == 0 { "at" } else { "  " })?;
+    }
+    if frames.is_empty() {
+        writeln!(
+            f,
+            "  (no frame of the model's code: build with debug symbols, or the op ran outside \
+             it)"
+        )?;
+    }
+    Ok(())
+}
+
+impl fmt::Display for Phase {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Phase::Forward => write!(f, "forward"),
+            Phase::Backward { of: Some(of) } => write!(f, "backward of {of}"),
+            Phase::Backward { of: None } => write!(f, "backward"),
+        }
     }
 }
 
@@ -360,9 +479,45 @@ pub(crate) fn check<B: Backend>(probe: &Probe<B>, outputs: &[&B::FloatTensorPrim
         return;
     };
     let input_bad = |t: &B::FloatTensorPrimitive| any_nonfinite::<B>(t, nan_only);
+    // Whether a non-finite output was met earlier in this step (if not, a non-finite input
+    // came from outside the watched ops), and whether a way in is told already (the first is
+    // kept; a later one is not looked at).
+    let (seen, told) = super::with_session(|s| match s {
+        Session::Anomaly(state) => Some((
+            core::mem::replace(&mut state.seen, true),
+            state.entered.is_some(),
+        )),
+        _ => None,
+    })
+    .flatten()
+    .unwrap_or((true, true));
+    let enter = |input: Option<usize>, tensor: &B::FloatTensorPrimitive| {
+        if seen || told {
+            return;
+        }
+        let entered = Entered::at(probe, input, tensor, (step, call));
+        super::with_session(|s| {
+            if let Session::Anomaly(state) = s {
+                state.entered = Some(Box::new(entered));
+            }
+        });
+    };
+    // Host data brought in (a batch, a mask, a record): the data's, not an op's.
+    if probe.op == ProbedOp::Table(Op::float_from_data) {
+        enter(None, bad);
+        return;
+    }
     // A fill or clamp with -inf places the scalar on purpose (attention masks): not blamed.
     let placed = probe.nonfinite_scalar && places_scalar(probe.op);
-    if placed || probe.inputs.iter().any(input_bad) {
+    let bad_input = if placed {
+        None
+    } else {
+        probe.inputs.iter().position(input_bad)
+    };
+    if placed || bad_input.is_some() {
+        if let Some(input) = bad_input {
+            enter(Some(input), &probe.inputs[input]);
+        }
         super::with_session(|s| {
             if let Session::Anomaly(state) = s {
                 state.passed_on += 1;
@@ -388,14 +543,7 @@ pub(crate) fn check<B: Backend>(probe: &Probe<B>, outputs: &[&B::FloatTensorPrim
         },
         None => Cause::Op,
     };
-    let frames = backtrace::capture();
-    let phase = if backtrace::in_backward(&frames) {
-        Phase::Backward {
-            of: backtrace::forward_op(&frames),
-        }
-    } else {
-        Phase::Forward
-    };
+    let (frames, phase) = where_now();
     let op = probe.op;
     let anomaly = Anomaly {
         op: op.name(),
@@ -407,7 +555,7 @@ pub(crate) fn check<B: Backend>(probe: &Probe<B>, outputs: &[&B::FloatTensorPrim
         inputs: probe.cast_inputs.iter().map(TensorInfo::of::<B>).collect(),
         output: TensorInfo::of::<B>(bad),
         values: NonFinite::count(&host_values::<B>(bad)),
-        backtrace: backtrace::trim(&frames),
+        backtrace: frames,
     };
     log::error!("burn-amp anomaly: {anomaly}");
     super::with_session(|s| {
@@ -415,6 +563,19 @@ pub(crate) fn check<B: Backend>(probe: &Probe<B>, outputs: &[&B::FloatTensorPrim
             state.first = Some(Box::new(anomaly));
         }
     });
+}
+
+/// The call stack here, trimmed to the model's frames, and the pass it belongs to.
+fn where_now() -> (Vec<Frame>, Phase) {
+    let frames = backtrace::capture();
+    let phase = if backtrace::in_backward(&frames) {
+        Phase::Backward {
+            of: backtrace::forward_op(&frames),
+        }
+    } else {
+        Phase::Forward
+    };
+    (backtrace::trim(&frames), phase)
 }
 
 /// Ops that write their scalar operand into the output as it is.

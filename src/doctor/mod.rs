@@ -6,7 +6,8 @@
 //! - [`detect_anomaly`]: every float op's output is checked for inf/NaN on the device; the
 //!   first op that *created* one (its inputs were finite) is reported once, as an
 //!   [`Anomaly`]: op, policy category, dtypes, shapes, call index, and a backtrace trimmed to
-//!   the model's frames. PyTorch's `detect_anomaly`, JAX's `jax_debug_nans`.
+//!   the model's frames. PyTorch's `detect_anomaly`, JAX's `jax_debug_nans`. A value no
+//!   watched op made (the batch, a spoilt parameter) is told apart: [`Entered`].
 //! - [`PrecisionReport::measure`]: one step run at f32 and under autocast on the same batch and
 //!   weights; per op call, the error of its autocast output (against the f32 run, and against
 //!   the same op run in f32 on the same inputs), underflow, overflow, range; and the
@@ -24,7 +25,9 @@ mod backtrace;
 mod gradients;
 mod precision_report;
 
-pub use anomaly::{Anomaly, AnomalyGuard, Cause, NonFinite, Phase, detect_anomaly, detect_nan};
+pub use anomaly::{
+    Anomaly, AnomalyGuard, Cause, Entered, NonFinite, Phase, detect_anomaly, detect_nan,
+};
 pub use backtrace::Frame;
 pub use gradients::GradientPrecision;
 pub use precision_report::{OpPrecision, PrecisionReport, Suggestion};
@@ -161,8 +164,8 @@ pub struct Probe<B: Backend> {
     nonfinite_scalar: bool,
     /// Whether an input is in a half dtype: the op then runs in it.
     half_input: bool,
-    /// The same op on the same inputs in f32 (precision report).
-    shadow: Option<B::FloatTensorPrimitive>,
+    /// The same op on the same inputs in f32 (precision report): its float outputs.
+    shadows: Vec<B::FloatTensorPrimitive>,
 }
 
 impl<B: Backend> Probe<B> {
@@ -205,7 +208,7 @@ impl<B: Backend> Probe<B> {
             cast_inputs: Vec::new(),
             nonfinite_scalar: false,
             half_input: false,
-            shadow: None,
+            shadows: Vec::new(),
         })
     }
 
@@ -254,21 +257,38 @@ impl<B: Backend> Probe<B> {
 
     /// The shadow run's output.
     pub fn shadow(&mut self, output: &dyn Any) {
-        self.shadow = float_outputs::<B>(output).first().map(|t| (*t).clone());
+        self.shadows = float_outputs::<B>(output).into_iter().cloned().collect();
+    }
+
+    /// The shadow run's float outputs, in the op's order (a custom op's).
+    pub(crate) fn shadow_floats(&mut self, outputs: &[&B::FloatTensorPrimitive]) {
+        self.shadows = outputs.iter().map(|t| (*t).clone()).collect();
     }
 
     /// The op's output: checked or recorded by the session.
     pub fn finish(self, output: &dyn Any) {
         let outputs = float_outputs::<B>(output);
+        self.finish_floats(&outputs);
+    }
+
+    /// The op's float outputs, in its order: checked together (the first non-finite one is
+    /// reported), or each recorded or measured as a call of its own.
+    pub(crate) fn finish_floats(self, outputs: &[&B::FloatTensorPrimitive]) {
         if outputs.is_empty() {
             return;
         }
         BUSY.with(|b| b.set(true));
         match self.kind {
-            Kind::Anomaly => anomaly::check::<B>(&self, &outputs),
-            Kind::Reference => precision_report::record::<B>(self.op, outputs[0]),
+            Kind::Anomaly => anomaly::check::<B>(&self, outputs),
+            Kind::Reference => {
+                for output in outputs {
+                    precision_report::record::<B>(self.op, output);
+                }
+            }
             Kind::Compare => {
-                precision_report::compare::<B>(self.op, outputs[0], self.shadow.as_ref())
+                for (k, output) in outputs.iter().enumerate() {
+                    precision_report::compare::<B>(self.op, output, self.shadows.get(k));
+                }
             }
         }
         BUSY.with(|b| b.set(false));

@@ -10,7 +10,9 @@
 //! parameter used twice is cast once; an op whose kernel reads f32 alone gets f32 (bitwise
 //! f32 training), also from half inputs outside autocast; inputs of mixed dtypes reach it in
 //! one dtype whatever the category; the precision doctor names it when it overflows f16 and
-//! measures what it loses against its own f32 run.
+//! measures what it loses against its own f32 run. An op with three outputs (`run_many`):
+//! each in the op's dtype, trained within f16's rounding, named when one output alone
+//! overflows, measured output by output.
 
 use std::cell::RefCell;
 
@@ -438,6 +440,17 @@ struct TwoLayers<B: Backend> {
     w2: Param<Tensor<B, 3>>,
 }
 
+impl<B: Backend> TwoLayers<B> {
+    fn new(w1: Tensor<B, 3>, bias: Tensor<B, 3>, w2: Tensor<B, 3>) -> Self {
+        let param = Param::from_tensor;
+        Self {
+            w1: param(w1),
+            bias: param(bias),
+            w2: param(w2),
+        }
+    }
+}
+
 /// `PrecisionReport` measures the custom op against its own f32 run (it reads f32 too): it
 /// loses f16's rounding, as a matmul does.
 #[test]
@@ -445,11 +458,7 @@ fn custom_op_is_measured_by_the_precision_report() {
     type B = Amp<Autodiff<Flex>>;
     let device = Default::default();
     let [x, w1, bias, w2, target] = data().map(|d| Tensor::<B, 3>::from_data(d, &device));
-    let model = TwoLayers {
-        w1: Param::from_tensor(w1),
-        bias: Param::from_tensor(bias),
-        w2: Param::from_tensor(w2),
-    };
+    let model = TwoLayers::new(w1, bias, w2);
     let report = PrecisionReport::measure(&model, Precision::F16, 1024.0, |m: &TwoLayers<B>| {
         let hidden = fused(x.clone(), m.w1.val(), m.bias.val());
         (fused(hidden, m.w2.val(), m.bias.val()) * target.clone()).sum()
@@ -465,6 +474,130 @@ fn custom_op_is_measured_by_the_precision_report() {
     for row in rows {
         assert_eq!((row.category, row.dtype.as_str()), ("lower", "F16"));
         let own = row.own_error.expect("measured against its f32 run");
+        assert!(own > 0.0 && own < 5e-3, "{row:?}");
+    }
+}
+
+/// An op with three float outputs, as `run_many` takes one: `h = x · w`, then each row's sum
+/// and sum of squares of `h` (what a fused normalisation computes).
+const MOMENTS: CustomOp = CustomOp::new("moments", Category::Lower);
+
+type Inner = Autodiff<Flex>;
+type Outer = Amp<Inner>;
+
+fn moments(x: Tensor<Outer, 3>, w: Tensor<Outer, 3>, seen: bool) -> [Tensor<Outer, 3>; 3] {
+    use burn::tensor::ops::FloatTensorOps;
+    let prim = |t: Tensor<Outer, 3>| t.into_primitive().tensor();
+    let op = |[x, w]: [FloatTensor<Inner>; 2]| {
+        let h = Inner::float_matmul(x, w);
+        let sums = Inner::float_sum_dim(h.clone(), 2);
+        let squares = Inner::float_sum_dim(Inner::float_mul(h.clone(), h.clone()), 2);
+        [h, sums, squares]
+    };
+    let inputs = [prim(x), prim(w)];
+    let outputs = if seen {
+        MOMENTS.run_many::<Inner, 2, 3>(inputs, op)
+    } else {
+        op(MOMENTS.cast::<Inner, 2>(inputs))
+    };
+    outputs.map(|t| Tensor::from_primitive(TensorPrimitive::Float(t)))
+}
+
+/// Each output comes back in the op's dtype, within f16's rounding of f32, and the gradients
+/// through all three reach the f32 leaves in f32.
+#[test]
+fn custom_op_with_several_outputs_trains() {
+    let device = Default::default();
+    let [x, w, ..] = data();
+    let on = |d: &TensorData| Tensor::<Outer, 3>::from_data(d.clone(), &device).require_grad();
+    let run = |precision| {
+        let _guard = autocast(precision);
+        let (x, w) = (on(&x), on(&w));
+        let outputs = moments(x.clone(), w.clone(), true);
+        let dtypes = outputs.each_ref().map(|t| t.dtype());
+        let mut read: Vec<Vec<f32>> = outputs.iter().map(|t| values(t.clone())).collect();
+        let loss = outputs
+            .into_iter()
+            .map(|t| t.sum().cast(DType::F32))
+            .reduce(|a, b| a + b)
+            .unwrap();
+        let grads = loss.backward();
+        let grads = [x, w].map(|t| t.grad(&grads).expect("a gradient"));
+        assert_eq!(grads.each_ref().map(|g| g.dtype()), [DType::F32; 2]);
+        read.extend(grads.map(values));
+        (read, dtypes)
+    };
+    let (want, _) = run(Precision::F32);
+    let (got, dtypes) = run(Precision::F16);
+    assert_eq!(dtypes, [DType::F16; 3], "every output in the op's dtype");
+    let names = ["h", "row sums", "row squares", "x's gradient", "w's"];
+    for ((got, want), name) in got.iter().zip(&want).zip(names) {
+        let err = rel_l2(got, want);
+        assert!(err <= 5e-3, "{name}: {err:.2e} from f32");
+    }
+}
+
+/// `detect_anomaly` names the op when one of its outputs overflows f16 (each row of `h` is
+/// 32 values of 128: squares summed to 524288 > 65504) while the others are finite; through
+/// `cast` alone (the canary) nothing is named and the next op passes the inf on.
+#[test]
+fn custom_op_with_several_outputs_is_named_by_the_doctor() {
+    let device = Default::default();
+    let _amp = autocast(Precision::F16);
+    let full = |shape: [usize; 3], v: f32| Tensor::<Outer, 3>::full(shape, v, &device);
+    for seen in [true, false] {
+        let guard = detect_anomaly();
+        let [h, sums, squares] =
+            moments(full([1, 2, WIDTH], 2.0), full([1, WIDTH, WIDTH], 2.0), seen);
+        let _passed_on = squares + 1.0;
+        assert_eq!(values(h), vec![128.0; 2 * WIDTH]);
+        assert_eq!(values(sums), vec![4096.0; 2]);
+        match guard.report() {
+            Some(anomaly) => {
+                assert!(seen, "seen by the doctor through `cast` alone: {anomaly}");
+                assert_eq!(anomaly.op, "moments", "{anomaly}");
+                assert_eq!(anomaly.cause, Cause::Op);
+                assert_eq!(anomaly.output.shape, vec![1, 2, 1], "the third output");
+                assert_eq!((anomaly.values.pos_inf, anomaly.values.total), (2, 2));
+                assert_eq!(guard.ops_creating_it(), 1);
+            }
+            None => {
+                assert!(!seen, "run_many's overflow not reported");
+                assert_eq!(guard.ops_creating_it(), 0);
+                assert!(guard.ops_passing_it_on() >= 1);
+            }
+        }
+    }
+}
+
+/// `PrecisionReport` measures each output against the op's own f32 run: three rows a call.
+#[test]
+fn custom_op_with_several_outputs_is_measured_by_the_precision_report() {
+    let device = Default::default();
+    let [x, w1, bias, w2, _] = data().map(|d| Tensor::<Outer, 3>::from_data(d, &device));
+    let model = TwoLayers::new(w1, bias, w2);
+    let report =
+        PrecisionReport::measure(&model, Precision::F16, 1024.0, |m: &TwoLayers<Outer>| {
+            let [h, sums, squares] = moments(x.clone(), m.w1.val(), true);
+            h.sum() + sums.sum() + squares.sum().mul_scalar(1e-3)
+        })
+        .unwrap();
+    let rows: Vec<_> = report.ops.iter().filter(|o| o.op == "moments").collect();
+    let shapes: Vec<_> = rows.iter().map(|r| r.shape.clone()).collect();
+    assert_eq!(
+        shapes,
+        vec![
+            vec![BATCH, ROWS, WIDTH],
+            vec![BATCH, ROWS, 1],
+            vec![BATCH, ROWS, 1]
+        ],
+        "{}",
+        report.table(20)
+    );
+    for row in rows {
+        assert_eq!(row.dtype, "F16");
+        let own = row.own_error.expect("measured against its f32 run");
+        eprintln!("{} {:?}: own error {own:.2e}", row.op, row.shape);
         assert!(own > 0.0 && own < 5e-3, "{row:?}");
     }
 }

@@ -233,3 +233,128 @@ fn wgpu_f16_matmul_overflow_is_named() {
     let anomaly = guard.finish().expect("reported");
     assert!(matches!(anomaly.phase, Phase::Backward { .. }), "{anomaly}");
 }
+
+/// A batch read from host data with a NaN in it.
+fn batch_with_a_nan<B: Backend>(device: &B::Device) -> Tensor<B, 2> {
+    let values = vec![1.0, 2.0, f32::NAN, 4.0, 5.0, 6.0];
+    Tensor::from_data(TensorData::new(values, [2, 3]), device)
+}
+
+fn weights<B: Backend>(device: &B::Device) -> Tensor<B, 2> {
+    Tensor::from_data(TensorData::new(vec![0.5f32; 6], [3, 2]), device)
+}
+
+/// Host data holding a NaN, or an additive mask's `-inf`, is nobody's op: not blamed (until
+/// 2026-12-05, `float_from_data` was named as having created it), told as where the value
+/// came in.
+#[test]
+fn host_data_holding_nan_or_a_mask_is_entered_not_blamed() {
+    let device = Default::default();
+    let _amp = autocast(Precision::F16);
+    let guard = detect_anomaly();
+    let y = batch_with_a_nan::<Above>(&device)
+        .matmul(weights(&device))
+        .exp();
+    assert!(guard.report().is_none(), "{:?}", guard.report());
+    assert!(guard.check().is_ok());
+    assert_eq!(guard.ops_creating_it(), 0);
+    let entered = guard.entered().expect("the NaN's way in is told");
+    assert_eq!((entered.op, entered.input), ("float_from_data", None));
+    assert_eq!(entered.tensor.shape, vec![2, 3]);
+    assert_eq!((entered.values.nan, entered.values.total), (1, 6));
+    assert_eq!((entered.step, &entered.phase), (0, &Phase::Forward));
+    let frame = entered.user_frame().expect("a frame of the test's code");
+    assert!(frame.function.contains("batch_with_a_nan"), "{entered}");
+    let text = entered.to_string();
+    assert!(text.contains("from host data"), "{text}");
+    assert!(entered.advice().contains("batch"), "{}", entered.advice());
+    drop(y);
+
+    guard.clear();
+    let scores = tensor::<Above, 2>(&[0.5, 1.0, 2.0, 3.0], [2, 2], &device);
+    let mask = Tensor::<Above, 2>::from_data(
+        TensorData::new(vec![0.0, f32::NEG_INFINITY, 0.0, 0.0], [2, 2]),
+        &device,
+    );
+    let p = burn::tensor::activation::softmax(scores + mask, 1);
+    assert_eq!(p.into_data().to_vec::<f32>().unwrap()[1], 0.0);
+    assert!(guard.report().is_none(), "{:?}", guard.report());
+    let entered = guard.entered().expect("the mask's way in");
+    assert_eq!((entered.op, entered.values.neg_inf), ("float_from_data", 1));
+}
+
+/// A tensor made where no session runs (a data loader's thread) is met first by the op that
+/// reads it: that op, the input and the line are told. Made by a watched op earlier in the
+/// step, a value is that op's report, and nothing is told as entered.
+#[test]
+fn a_value_from_another_thread_is_entered_at_the_op_that_reads_it() {
+    let device = Default::default();
+    let _amp = autocast(Precision::F16);
+    let loaded = || {
+        std::thread::spawn(|| batch_with_a_nan::<Above>(&Default::default()))
+            .join()
+            .unwrap()
+    };
+    let guard = detect_anomaly();
+    let y = loaded().matmul(weights(&device));
+    assert!(guard.report().is_none(), "{:?}", guard.report());
+    let entered = guard.entered().expect("told");
+    assert_eq!((entered.op, entered.input), ("float_matmul", Some(0)));
+    assert_eq!(entered.tensor.dtype, "F32", "before autocast's cast");
+    assert_eq!(entered.values.nan, 1);
+    let frame = entered.user_frame().expect("a frame of the test's code");
+    assert!(
+        frame.function.contains("a_value_from_another_thread"),
+        "{entered}"
+    );
+    assert!(entered.to_string().contains("in its input 0"), "{entered}");
+    drop(y);
+
+    guard.clear();
+    let made = tensor::<Above, 1>(&[-1.0, 4.0], [2], &device).log();
+    let y = loaded().matmul(weights(&device));
+    assert_eq!(guard.report().expect("log of -1").op, "float_log");
+    assert!(guard.entered().is_none(), "{:?}", guard.entered());
+    drop((made, y));
+}
+
+/// What was met in one step does not hide what comes in at the next: a `-inf` mask placed at
+/// step 0, a NaN batch from a loader at step 1, told at step 1 (steps counted by
+/// `AmpOptimizer`).
+#[test]
+fn each_step_tells_what_came_in() {
+    use burn::nn::{Linear, LinearConfig};
+    use burn::optim::{GradientsParams, Optimizer, SgdConfig};
+    use burn_amp::AmpOptimizer;
+    use burn_amp::scaler::GradScalerConfig;
+
+    let _turn = crate::serial();
+    let device = Default::default();
+    let _amp = autocast(Precision::F16);
+    let mut model: Linear<Above> = LinearConfig::new(3, 2).init(&device);
+    let sgd = SgdConfig::new().init::<Above, Linear<Above>>();
+    let mut optim = AmpOptimizer::new(sgd, GradScalerConfig::new()).expect("one optimizer");
+    let guard = detect_anomaly();
+    let clean = tensor::<Above, 2>(&[1.0, 2.0, 3.0, 4.0, 5.0, 6.0], [2, 3], &device);
+    let scores = model.forward(clean.clone());
+    let mask = TensorData::new(vec![false, true, false, false], [2, 2]);
+    let masked = scores.mask_fill(
+        Tensor::<Above, 2, Bool>::from_data(mask, &device),
+        f32::NEG_INFINITY,
+    );
+    let loss = burn::tensor::activation::softmax(masked, 1).sum() + model.forward(clean).sum();
+    let grads = GradientsParams::from_grads(loss.backward(), &model);
+    model = optim.step(1e-3, model, grads);
+    assert!(guard.entered().is_none(), "{:?}", guard.entered());
+    assert!(guard.ops_passing_it_on() >= 1, "the mask was met at step 0");
+
+    let batch = std::thread::spawn(|| batch_with_a_nan::<Above>(&Default::default()))
+        .join()
+        .unwrap();
+    let y = model.forward(batch);
+    assert!(guard.report().is_none(), "{:?}", guard.report());
+    let entered = guard.entered().expect("told at step 1");
+    assert_eq!((entered.step, entered.input), (1, Some(0)), "{entered}");
+    assert_eq!(entered.op, "linear");
+    drop(y);
+}

@@ -6,7 +6,9 @@
 //!   exceeds 65504, autocast's cast of an input above 65504, an `exp` in f16, `log` of a
 //!   negative, a NaN scalar, a gradient in the backward pass) with its dtype and a frame of
 //!   the test's own code; the ops that pass it on are not blamed; a `-inf` mask is not an
-//!   anomaly; a healthy step reports nothing.
+//!   anomaly; a healthy step reports nothing. A value no watched op made (host data with a
+//!   NaN, an additive mask, a batch built on another thread) is told as entered, not blamed,
+//!   step by step.
 //! - `precision_report.rs`: on TinyLm the report ranks op calls by what they lose in half
 //!   precision, a planted catastrophic-cancellation matmul is at the top, gradients'
 //!   underflow follows the loss scale, the JSON parses.
