@@ -405,11 +405,11 @@ impl Entered {
                 .into();
         }
         "no op that the doctor watches made this value: check what reaches this line: the \
-         batch (`x.is_nan().any()` on the inputs, a division by zero in preprocessing), the \
-         parameters (a previous update: under `Amp<Autodiff<B>>` the backward runs below \
-         `Amp`, unseen, and only the loss scaler skips a non-finite step), a custom op called \
-         through `CustomOp::cast` alone, a constant built with inf/NaN (`mask_fill` places a \
-         mask's `-inf` without a report)"
+         batch (`x.is_nan().any()` on the inputs, a division by zero in preprocessing), a \
+         gradient (under `Amp<Autodiff<B>>` the backward runs below `Amp`, unseen: \
+         `Autodiff<Amp<B>>` shows its ops), a parameter an earlier update spoilt (only a loss \
+         scaler skips a non-finite step), a custom op called through `CustomOp::cast` alone, \
+         a constant built with inf/NaN"
             .into()
     }
 }

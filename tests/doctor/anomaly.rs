@@ -358,3 +358,40 @@ fn each_step_tells_what_came_in() {
     assert_eq!(entered.op, "linear");
     drop(y);
 }
+
+/// A parameter of its own, for a loss that differentiates to inf.
+#[derive(burn::module::Module, Debug)]
+struct Roots<B: Backend> {
+    x: burn::module::Param<Tensor<B, 1>>,
+}
+
+/// Above autodiff the backward runs below `Amp`, unseen: `sqrt`'s gradient at 0 is inf, made
+/// by no watched op. The forward is finite; a plain optimizer (no loss scaler to skip the
+/// step) reads the gradient through watched ops: told as where it came in.
+#[test]
+fn an_inf_gradient_from_the_backward_above_amp_is_told_where_it_is_read() {
+    use burn::optim::{GradientsParams, Optimizer, SgdConfig};
+
+    let device = Default::default();
+    let _amp = autocast(Precision::Bf16);
+    let model = Roots {
+        x: burn::module::Param::from_tensor(tensor::<Above, 1>(&[0.0, 1.0, 4.0], [3], &device)),
+    };
+    let mut sgd = SgdConfig::new().init::<Above, Roots<Above>>();
+    let guard = detect_anomaly();
+    let loss = model.x.val().sqrt().sum();
+    let grads = GradientsParams::from_grads(loss.backward(), &model);
+    assert!(guard.entered().is_none(), "the forward is finite");
+    let model = sgd.step(1e-3, model, grads);
+    assert!(guard.report().is_none(), "{:?}", guard.report());
+    let entered = guard.entered().expect("the gradient's way in");
+    eprintln!("{entered}");
+    assert_eq!(entered.tensor.shape, vec![3], "{entered}");
+    assert!(entered.input.is_some(), "{entered}");
+    assert_eq!(entered.values.pos_inf, 1, "{entered}");
+    assert_eq!(
+        model.x.val().into_data().to_vec::<f32>().unwrap()[0],
+        f32::NEG_INFINITY,
+        "a plain optimizer applies the step"
+    );
+}
