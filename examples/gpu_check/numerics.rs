@@ -143,6 +143,10 @@ fn at_precision<T: Target>() -> Vec<(&'static str, AtPrecision<T>)> {
             custom_op::lowered::<F<T>> as AtPrecision<T>,
         ),
         (
+            "custom_op: an op with three outputs (run_many), each and the gradients against f32",
+            custom_op::several_outputs::<F<T>> as AtPrecision<T>,
+        ),
+        (
             "attention: softmax in f32 (large logits, 70,000 keys), gradients",
             (|_, precision| attention::check_attention::<Amp<Autodiff<F<T>>>>(precision, true))
                 as AtPrecision<T>,

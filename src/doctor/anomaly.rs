@@ -76,17 +76,17 @@ impl AnomalyGuard {
     }
 
     /// The first inf/NaN that no watched op made, where it came in: host data loaded with it
-    /// (`float_from_data`: a batch, an additive mask's `-inf`, a record), or an input in which
-    /// the step's first op to meet a non-finite value found it (a tensor made on another
-    /// thread, such as a data loader's, or before the guard; a gradient from the backward
-    /// above `Amp`; a parameter an optimizer kernel spoilt; a custom op called through `cast`
-    /// alone). Not an error ([`check`] stays `Ok`): a mask's `-inf` comes in this way. `None`
+    /// (`float_from_data`: a batch, an additive mask's `-inf`, a record), or the input of the
+    /// step's first op with a non-finite output that held it already (a tensor made on
+    /// another thread, such as a data loader's, or before the guard; a gradient from the
+    /// backward above `Amp`; a parameter an optimizer kernel spoilt; a custom op called
+    /// through `cast` alone). An input whose inf/NaN gives a finite output (a mask's `-inf`
+    /// through a softmax) is not looked at. Not an error ([`check`] stays `Ok`). `None`
     /// where the step's first non-finite value was made by a watched op ([`report`]) or placed
     /// (a mask filled with `-inf`: for the rest of that step, where a value came from is not
     /// told; [`detect_nan`] ignores such masks). Steps are `AmpOptimizer`'s.
     ///
     /// [`check`]: Self::check
-    ///
     /// [`report`]: Self::report
     pub fn entered(&self) -> Option<Entered> {
         self.read(|s| s.entered.as_deref().cloned())
