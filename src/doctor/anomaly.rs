@@ -347,7 +347,7 @@ impl fmt::Display for Anomaly {
     }
 }
 
-/// An inf or NaN no watched op made: where it was first met, in an op's input.
+/// An inf or NaN no watched op made: where it came in (host data loaded, or an op's input).
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct Entered {
     /// The op that read it, named as the backend trait's method.
