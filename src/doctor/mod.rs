@@ -257,7 +257,7 @@ impl<B: Backend> Probe<B> {
 
     /// The shadow run's output.
     pub fn shadow(&mut self, output: &dyn Any) {
-        self.shadows = float_outputs::<B>(output).into_iter().cloned().collect();
+        self.shadow_floats(&float_outputs::<B>(output));
     }
 
     /// The shadow run's float outputs, in the op's order (a custom op's).
