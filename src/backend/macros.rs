@@ -76,6 +76,7 @@ macro_rules! autocast_ops {
             let mut probe = $crate::doctor::Probe::<B>::start($crate::backend::policy::Op::$name);
             if let Some(probe) = probe.as_mut() {
                 $(autocast_input!(probe $kind probe $input);)*
+                $(probe_dim!($arg probe $arg);)*
                 if probe.wants_shadow(target) {
                     // The same op in f32 on the same inputs: what it loses in half precision
                     // (through the same module as the op itself: a workaround's defect must
@@ -101,6 +102,15 @@ macro_rules! autocast_ops {
             out
         }
     )*};
+}
+
+/// An argument named `dim` is told to the probe (the precision report compares an op's
+/// choices along it); any other argument is not.
+macro_rules! probe_dim {
+    (dim $p:ident $dim:ident) => {
+        $p.along($dim)
+    };
+    ($other:ident $p:ident $arg:ident) => {};
 }
 
 /// An elementwise op (`workarounds::empty::Elementwise`) with an empty float input:
@@ -218,5 +228,5 @@ macro_rules! autocast_input {
 
 pub(crate) use {
     autocast_call, autocast_empty, autocast_input, autocast_ops, forward, forward_empty,
-    forward_primitive,
+    forward_primitive, probe_dim,
 };

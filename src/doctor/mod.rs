@@ -10,8 +10,9 @@
 //!   watched op made (the batch, a spoilt parameter) is told apart: [`Entered`].
 //! - [`PrecisionReport::measure`]: one step run at f32 and under autocast on the same batch and
 //!   weights; per op call, the error of its autocast output (against the f32 run, and against
-//!   the same op run in f32 on the same inputs), underflow, overflow, range; and the
-//!   gradients' underflow at the loss scale.
+//!   the same op run in f32 on the same inputs), underflow, overflow, range; for an op that
+//!   chooses (argmax, top-k, a sort's indices) the share of its choices that differ from
+//!   f32's; and the gradients' underflow at the loss scale.
 //!
 //! Off, each op pays one relaxed atomic load (no thread-local read): the overhead bench
 //! (`benches/autocast.rs`) measures it. On, each op reads back to the host: a debugging mode.
@@ -36,7 +37,7 @@ use core::any::Any;
 use core::cell::{Cell, RefCell};
 use core::sync::atomic::{AtomicUsize, Ordering};
 
-use burn::tensor::{Tensor, TensorPrimitive};
+use burn::tensor::{Int, Tensor, TensorPrimitive};
 use burn_backend::{Backend, DType, Scalar, TensorMetadata};
 use burn_std::{FloatDType, Shape};
 use serde::Serialize;
@@ -166,6 +167,9 @@ pub struct Probe<B: Backend> {
     half_input: bool,
     /// The same op on the same inputs in f32 (precision report): its float outputs.
     shadows: Vec<B::FloatTensorPrimitive>,
+    /// The op's `dim` argument, where it has one: the precision report compares the choices
+    /// of a sort or a top-k along it.
+    dim: Option<usize>,
 }
 
 impl<B: Backend> Probe<B> {
@@ -191,7 +195,7 @@ impl<B: Backend> Probe<B> {
     #[cold]
     #[inline(never)]
     fn start_cold(op: ProbedOp) -> Option<Self> {
-        if !makes_floats(op) || BUSY.with(Cell::get) {
+        if BUSY.with(Cell::get) {
             return None;
         }
         let kind = SESSION.with(|s| {
@@ -201,6 +205,10 @@ impl<B: Backend> Probe<B> {
                 Session::Compare(_) => Kind::Compare,
             })
         })?;
+        // Indices hold no inf or NaN; the precision report compares them with the f32 run's.
+        if !makes_floats(op) && (kind == Kind::Anomaly || !makes_indices(op)) {
+            return None;
+        }
         Some(Self {
             op,
             kind,
@@ -209,6 +217,7 @@ impl<B: Backend> Probe<B> {
             nonfinite_scalar: false,
             half_input: false,
             shadows: Vec::new(),
+            dim: None,
         })
     }
 
@@ -227,6 +236,11 @@ impl<B: Backend> Probe<B> {
         }
     }
 
+    /// The op's `dim` argument.
+    pub fn along(&mut self, dim: usize) {
+        self.dim = Some(dim);
+    }
+
     /// One float input as the op runs it, after autocast's cast.
     pub fn cast_input(&mut self, tensor: &B::FloatTensorPrimitive) {
         if self.kind == Kind::Anomaly {
@@ -237,7 +251,10 @@ impl<B: Backend> Probe<B> {
     /// Whether the precision report wants this op run again in f32 on the same inputs: it
     /// runs in a half dtype (its inputs are, or autocast lowers them).
     pub fn wants_shadow(&self, target: Option<FloatDType>) -> bool {
+        // An index op's shadow would read the same values (a half value is exact in f32): it
+        // chooses alike, so only the f32 run's choices tell something.
         self.kind == Kind::Compare
+            && makes_floats(self.op)
             && match target {
                 Some(target) => matches!(target, FloatDType::F16 | FloatDType::BF16),
                 None => self.half_input,
@@ -267,27 +284,57 @@ impl<B: Backend> Probe<B> {
 
     /// The op's output: checked or recorded by the session.
     pub fn finish(self, output: &dyn Any) {
-        let outputs = float_outputs::<B>(output);
-        self.finish_floats(&outputs);
+        // By the op, not the output's type: most backends' int and float tensors are one type.
+        let outputs = if makes_floats(self.op) {
+            float_outputs::<B>(output)
+        } else {
+            Vec::new()
+        };
+        let indices = if makes_indices(self.op) {
+            index_output::<B>(output)
+        } else {
+            None
+        };
+        self.finish_all(&outputs, indices);
     }
 
     /// The op's float outputs, in its order: checked together (the first non-finite one is
     /// reported), or each recorded or measured as a call of its own.
     pub(crate) fn finish_floats(self, outputs: &[&B::FloatTensorPrimitive]) {
-        if outputs.is_empty() {
+        self.finish_all(outputs, None);
+    }
+
+    /// [`finish_floats`](Self::finish_floats), then the indices the op chose (`argmax`,
+    /// `sort_with_indices`'s), recorded or compared as a call of their own.
+    fn finish_all(
+        self,
+        outputs: &[&B::FloatTensorPrimitive],
+        indices: Option<&B::IntTensorPrimitive>,
+    ) {
+        if outputs.is_empty() && indices.is_none() {
             return;
         }
         BUSY.with(|b| b.set(true));
         match self.kind {
-            Kind::Anomaly => anomaly::check::<B>(&self, outputs),
+            Kind::Anomaly => {
+                if !outputs.is_empty() {
+                    anomaly::check::<B>(&self, outputs)
+                }
+            }
             Kind::Reference => {
                 for output in outputs {
                     precision_report::record::<B>(self.op, output);
+                }
+                if let Some(indices) = indices {
+                    precision_report::record_indices::<B>(self.op, indices);
                 }
             }
             Kind::Compare => {
                 for (k, output) in outputs.iter().enumerate() {
                     precision_report::compare::<B>(self.op, output, self.shadows.get(k));
+                }
+                if let Some(indices) = indices {
+                    precision_report::compare_indices::<B>(self.op, indices, self.dim);
                 }
             }
         }
@@ -332,6 +379,36 @@ fn makes_floats(op: ProbedOp) -> bool {
             | float_argsort
             | float_argtopk
     )
+}
+
+/// Ops that choose by comparing float values and return the choice as integers (a router's
+/// top-k experts, a classifier's prediction, a bucket): in half precision a near tie can
+/// choose otherwise than f32 does. Their values are indices, not floats to measure.
+fn makes_indices(op: ProbedOp) -> bool {
+    use Op::*;
+    matches!(
+        op,
+        ProbedOp::Table(
+            float_argmax
+                | float_argmin
+                | float_argtopk
+                | float_argsort
+                | float_into_int
+                | float_max_dim_with_indices
+                | float_min_dim_with_indices
+                | float_sort_with_indices
+        )
+    )
+}
+
+/// The indices in an op's output: an int tensor, or the second half of a (values, indices)
+/// pair.
+fn index_output<B: Backend>(output: &dyn Any) -> Option<&B::IntTensorPrimitive> {
+    output.downcast_ref::<B::IntTensorPrimitive>().or_else(|| {
+        output
+            .downcast_ref::<(B::FloatTensorPrimitive, B::IntTensorPrimitive)>()
+            .map(|(_, i)| i)
+    })
 }
 
 /// The float tensors in an op's output: a tensor, or a tensor with its indices.
@@ -404,6 +481,17 @@ fn host_values<B: Backend>(tensor: &B::FloatTensorPrimitive) -> Vec<f32> {
     Tensor::<B, 1>::from_primitive(TensorPrimitive::Float(t))
         .into_data()
         .to_vec::<f32>()
+        .unwrap_or_default()
+}
+
+/// An int tensor's values on the host, as i64.
+fn host_indices<B: Backend>(tensor: &B::IntTensorPrimitive) -> Vec<i64> {
+    let n = tensor.shape().num_elements();
+    let t = B::int_reshape(tensor.clone(), Shape::new([n]));
+    Tensor::<B, 1, Int>::from_primitive(t)
+        .into_data()
+        .convert::<i64>()
+        .to_vec::<i64>()
         .unwrap_or_default()
 }
 

@@ -10,7 +10,9 @@ use burn_backend::TensorMetadata;
 use serde::Serialize;
 
 use super::gradients::Gradients;
-use super::{GradientPrecision, Installed, ProbedOp, Session, category_name, host_values};
+use super::{
+    GradientPrecision, Installed, ProbedOp, Session, category_name, host_indices, host_values,
+};
 use crate::error::AmpError;
 use crate::precision::{Precision, autocast};
 
@@ -35,6 +37,9 @@ pub enum Suggestion {
     RaiseLossScale,
     /// Gradients overflow at this loss scale: the scaler will skip steps until it halves.
     LowerLossScale,
+    /// The op chooses otherwise than in the f32 run (a router's experts, a prediction): the
+    /// ops that compute what it compares should run in f32.
+    ComputeItsInputInF32,
 }
 
 impl fmt::Display for Suggestion {
@@ -45,6 +50,9 @@ impl fmt::Display for Suggestion {
             Suggestion::UseBf16 => "out of f16's range: bf16, or keep in f32",
             Suggestion::RaiseLossScale => "raise the loss scale (or bf16)",
             Suggestion::LowerLossScale => "lower the loss scale",
+            Suggestion::ComputeItsInputInF32 => {
+                "its choices differ from f32's: compute what it compares in f32"
+            }
         })
     }
 }
@@ -76,6 +84,11 @@ pub struct OpPrecision {
     pub min_abs: f64,
     /// Largest |x| in f32.
     pub max_abs: f64,
+    /// For indices an op chose (`argmax`, `argtopk`, `sort_with_indices`'s, `into_int`), a
+    /// row of their own: the fraction that differ from the f32 run's, position by position
+    /// (a router sending tokens to other experts). `None` for float outputs, and where the
+    /// runs diverged.
+    pub differing: Option<f64>,
     /// What to do.
     pub suggestion: Suggestion,
 }
@@ -179,7 +192,7 @@ impl PrecisionReport {
         let mut ops: Vec<&OpPrecision> = self.ops.iter().collect();
         let key = |o: &OpPrecision| {
             (
-                o.overflow + o.underflow + o.own_error.unwrap_or(0.0),
+                o.overflow + o.underflow + o.own_error.unwrap_or(0.0) + o.differing.unwrap_or(0.0),
                 o.error.unwrap_or(0.0),
             )
         };
@@ -223,20 +236,32 @@ impl PrecisionReport {
         );
         let e = |x: Option<f64>| x.map_or("-".to_string(), |x| format!("{x:.1e}"));
         for o in self.worst(n) {
+            // Indices: the share that differ stands where a float output's error does, and
+            // they have no range to lose.
+            let (error, range) = match o.differing {
+                Some(d) => (format!("{:.2}% differ", 100.0 * d), "- | - | -".to_string()),
+                None => (
+                    e(o.error),
+                    format!(
+                        "{:.2}% | {:.2}% | {:.1e}..{:.1e}",
+                        100.0 * o.underflow,
+                        100.0 * o.overflow,
+                        o.min_abs,
+                        o.max_abs
+                    ),
+                ),
+            };
             let _ = writeln!(
                 s,
-                "| {} ({}) | {} | {:?} | {} | {} | {} | {:.2}% | {:.2}% | {:.1e}..{:.1e} | {} |",
+                "| {} ({}) | {} | {:?} | {} | {} | {} | {} | {} |",
                 o.op,
                 o.category,
                 o.call,
                 o.shape,
                 o.dtype.to_lowercase(),
                 e(o.own_error),
-                e(o.error),
-                100.0 * o.underflow,
-                100.0 * o.overflow,
-                o.min_abs,
-                o.max_abs,
+                error,
+                range,
                 o.suggestion
             );
         }
@@ -282,7 +307,22 @@ impl PrecisionReport {
 struct Recorded {
     op: ProbedOp,
     shape: Vec<usize>,
-    values: Option<Vec<f32>>,
+    values: Option<Values>,
+}
+
+/// An output's values on the host.
+enum Values {
+    Floats(Vec<f32>),
+    Indices(Vec<i64>),
+}
+
+impl Values {
+    fn len(&self) -> usize {
+        match self {
+            Values::Floats(v) => v.len(),
+            Values::Indices(v) => v.len(),
+        }
+    }
 }
 
 /// The f32 run's session: every float op's output.
@@ -312,19 +352,108 @@ impl Comparison {
 }
 
 pub(crate) fn record<B: Backend>(op: ProbedOp, output: &B::FloatTensorPrimitive) {
-    let shape = output.shape().to_vec();
+    keep(op, output.shape().to_vec(), || {
+        Values::Floats(host_values::<B>(output))
+    });
+}
+
+pub(crate) fn record_indices<B: Backend>(op: ProbedOp, indices: &B::IntTensorPrimitive) {
+    keep(op, indices.shape().to_vec(), || {
+        Values::Indices(host_indices::<B>(indices))
+    });
+}
+
+/// Records an output of the f32 run, its values while they fit in the capacity.
+fn keep(op: ProbedOp, shape: Vec<usize>, values: impl FnOnce() -> Values) {
     let n: usize = shape.iter().product();
     let keep = super::with_session(|s| match s {
         Session::Reference(r) => r.kept + n <= REFERENCE_CAPACITY,
         _ => false,
     })
     .unwrap_or(false);
-    let values = keep.then(|| host_values::<B>(output));
+    let values = keep.then(values);
     super::with_session(|s| {
         if let Session::Reference(r) = s {
-            r.kept += values.as_ref().map_or(0, Vec::len);
+            r.kept += values.as_ref().map_or(0, Values::len);
             r.outputs.push(Recorded { op, shape, values });
         }
+    });
+}
+
+/// The autocast run's next call, and the f32 run's values for it while the two runs do the
+/// same ops; `None` outside a comparison.
+fn next_call(op: ProbedOp, shape: &[usize], indices: bool) -> Option<(usize, Option<Values>)> {
+    super::with_session(|s| match s {
+        Session::Compare(c) => {
+            let call = c.call;
+            c.call += 1;
+            let same = |r: &Recorded| {
+                r.op == op
+                    && r.shape == shape
+                    && r.values
+                        .as_ref()
+                        .is_none_or(|v| matches!(v, Values::Indices(_)) == indices)
+            };
+            let reference = match c.reference.get_mut(call).and_then(Option::take) {
+                Some(r) if c.diverged_at.is_none() && same(&r) => r.values,
+                _ => {
+                    c.diverged_at.get_or_insert(call);
+                    None
+                }
+            };
+            Some((call, reference))
+        }
+        _ => None,
+    })
+    .flatten()
+}
+
+fn push_row(row: OpPrecision) {
+    super::with_session(|s| {
+        if let Session::Compare(c) = s {
+            c.rows.push(row);
+        }
+    });
+}
+
+/// More than this share of an op's choices differing from the f32 run's is worth a fix.
+const CHOICES_DIFFER: f64 = 0.01;
+
+pub(crate) fn compare_indices<B: Backend>(
+    op: ProbedOp,
+    indices: &B::IntTensorPrimitive,
+    dim: Option<usize>,
+) {
+    let shape = indices.shape().to_vec();
+    let Some((call, reference)) = next_call(op, &shape, true) else {
+        return;
+    };
+    let differing = match reference {
+        Some(Values::Indices(reference)) => {
+            let chosen = host_indices::<B>(indices);
+            Some(differing_choices(op, &shape, dim, &reference, &chosen))
+        }
+        _ => None,
+    };
+    let suggestion = if differing.unwrap_or(0.0) > CHOICES_DIFFER {
+        Suggestion::ComputeItsInputInF32
+    } else {
+        Suggestion::Fine
+    };
+    push_row(OpPrecision {
+        op: op.name(),
+        category: category_name(op.category()),
+        call,
+        shape,
+        dtype: format!("{:?}", indices.dtype()),
+        own_error: None,
+        error: None,
+        underflow: 0.0,
+        overflow: 0.0,
+        min_abs: 0.0,
+        max_abs: 0.0,
+        differing,
+        suggestion,
     });
 }
 
@@ -335,23 +464,12 @@ pub(crate) fn compare<B: Backend>(
 ) {
     let shape = output.shape().to_vec();
     let dtype = output.dtype();
-    let Some((call, reference)) = super::with_session(|s| match s {
-        Session::Compare(c) => {
-            let call = c.call;
-            c.call += 1;
-            let reference = match c.reference.get_mut(call).and_then(Option::take) {
-                Some(r) if c.diverged_at.is_none() && r.op == op && r.shape == shape => r.values,
-                _ => {
-                    c.diverged_at.get_or_insert(call);
-                    None
-                }
-            };
-            Some((call, reference))
-        }
-        _ => None,
-    })
-    .flatten() else {
+    let Some((call, reference)) = next_call(op, &shape, false) else {
         return;
+    };
+    let reference = match reference {
+        Some(Values::Floats(values)) => Some(values),
+        _ => None,
     };
     let values = host_values::<B>(output);
     let shadow = shadow.map(|s| host_values::<B>(s));
@@ -377,7 +495,7 @@ pub(crate) fn compare<B: Backend>(
         Some(eps) if own_error.unwrap_or(0.0) > 16.0 * eps => Suggestion::KeepInF32,
         _ => Suggestion::Fine,
     };
-    let row = OpPrecision {
+    push_row(OpPrecision {
         op: op.name(),
         category: category_name(op.category()),
         call,
@@ -389,13 +507,66 @@ pub(crate) fn compare<B: Backend>(
         overflow,
         min_abs,
         max_abs,
+        differing: None,
         suggestion,
-    };
-    super::with_session(|s| {
-        if let Session::Compare(c) = s {
-            c.rows.push(row);
-        }
     });
+}
+
+/// The share of an op's choices that differ from the f32 run's. Along `dim`: the k indices
+/// of a top-k as a set (the same experts in another order is the same routing), a sort's
+/// first place alone (ties further down are common and a top-k by sort, Burn's
+/// `topk_with_indices`, keeps the head). Elsewhere each index (argmax's one per row,
+/// `into_int`'s values).
+fn differing_choices(
+    op: ProbedOp,
+    shape: &[usize],
+    dim: Option<usize>,
+    reference: &[i64],
+    chosen: &[i64],
+) -> f64 {
+    use crate::backend::Op::{float_argsort, float_argtopk, float_sort_with_indices};
+    #[derive(PartialEq)]
+    enum Along {
+        Set,
+        First,
+    }
+    let along = match (op, dim) {
+        (ProbedOp::Table(float_argtopk), Some(dim)) => Some((dim, Along::Set)),
+        (ProbedOp::Table(float_argsort | float_sort_with_indices), Some(dim)) => {
+            Some((dim, Along::First))
+        }
+        _ => None,
+    };
+    let n = reference.len().min(chosen.len());
+    let (differ, total) = match along {
+        Some((dim, along)) if dim < shape.len() && shape[dim] > 0 && n > 0 => {
+            let len = shape[dim];
+            let inner: usize = shape[dim + 1..].iter().product();
+            let outer = n / (len * inner);
+            let (mut differ, mut total) = (0usize, 0usize);
+            for o in 0..outer {
+                for i in 0..inner {
+                    let at = |j: usize| (o * len + j) * inner + i;
+                    if along == Along::First {
+                        total += 1;
+                        differ += usize::from(reference[at(0)] != chosen[at(0)]);
+                        continue;
+                    }
+                    for j in 0..len {
+                        total += 1;
+                        let c = chosen[at(j)];
+                        differ += usize::from(!(0..len).any(|q| reference[at(q)] == c));
+                    }
+                }
+            }
+            (differ, total)
+        }
+        _ => (
+            reference.iter().zip(chosen).filter(|(a, b)| a != b).count(),
+            n,
+        ),
+    };
+    differ as f64 / total.max(1) as f64
 }
 
 fn smallest_normal(dtype: burn_backend::DType) -> f64 {
@@ -479,5 +650,23 @@ mod tests {
         // 2.0 → 0 is cancellation (an error), not underflow.
         assert_eq!((under, over), (0.25, 0.25));
         assert!((lo - 1e-9).abs() < 1e-15 && (hi - 7e4).abs() < 1e-3);
+    }
+
+    #[test]
+    fn choices_are_compared_as_the_op_makes_them() {
+        use crate::backend::Op;
+        let reference = [0, 1, 2, 3, 3, 0];
+        let chosen = [1, 0, 2, 3, 1, 0];
+        let share = |op, shape: &[usize], dim| {
+            differing_choices(ProbedOp::Table(op), shape, Some(dim), &reference, &chosen)
+        };
+        // Top-2 of 3 rows along dim 1: the same experts in another order is no difference;
+        // row 2 swapped expert 3 for 1.
+        assert_eq!(share(Op::float_argtopk, &[3, 2], 1), 1.0 / 6.0);
+        // The same indices compared one by one (an argmax's): 3 of 6.
+        assert_eq!(share(Op::float_argmax, &[3, 2], 1), 0.5);
+        // A sort along dim 0 of a [2, 3]: its rows are the columns; the first place of
+        // column 0 (0 vs 1) and column 1 (1 vs 0) differ, column 2's (2 vs 2) not.
+        assert_eq!(share(Op::float_sort_with_indices, &[2, 3], 0), 2.0 / 3.0);
     }
 }

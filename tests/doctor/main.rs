@@ -12,6 +12,8 @@
 //! - `precision_report.rs`: on TinyLm the report ranks op calls by what they lose in half
 //!   precision, a planted catastrophic-cancellation matmul is at the top, gradients'
 //!   underflow follows the loss scale, the JSON parses.
+//! - `choices.rs`: a router's argmax, top-2 and sort in half precision against f32: the
+//!   share of choices that differ, as the test computes it from the two runs.
 //!
 //! Tests that seed the backend or initialise a model take turns ([`serial`]).
 
@@ -19,6 +21,7 @@
 mod common;
 
 mod anomaly;
+mod choices;
 mod precision_report;
 
 use std::sync::{Mutex, MutexGuard};

@@ -8,7 +8,9 @@ use burn_backend::ops::ActivationOps;
 use burn_backend::tensor::FloatTensor;
 
 use crate::backend::Amp;
-use crate::backend::macros::{autocast_call, autocast_empty, autocast_input, autocast_ops};
+use crate::backend::macros::{
+    autocast_call, autocast_empty, autocast_input, autocast_ops, probe_dim,
+};
 
 impl<B: Backend> ActivationOps<Self> for Amp<B> {
     autocast_ops! {

@@ -8,7 +8,9 @@ use burn_backend::{Backend, Distribution, ExecutionError, Scalar, TensorData};
 use burn_std::{BoolDType, FloatDType, IntDType, Shape, Slice};
 
 use crate::backend::Amp;
-use crate::backend::macros::{autocast_call, autocast_empty, autocast_input, autocast_ops};
+use crate::backend::macros::{
+    autocast_call, autocast_empty, autocast_input, autocast_ops, probe_dim,
+};
 
 impl<B: Backend> FloatTensorOps<Self> for Amp<B> {
     autocast_ops! {

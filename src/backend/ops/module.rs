@@ -13,7 +13,9 @@ use burn_backend::ops::{
 use burn_backend::tensor::{BoolTensor, FloatTensor, IntTensor};
 
 use crate::backend::Amp;
-use crate::backend::macros::{autocast_call, autocast_empty, autocast_input, autocast_ops};
+use crate::backend::macros::{
+    autocast_call, autocast_empty, autocast_input, autocast_ops, probe_dim,
+};
 use crate::backend::policy::{Autocast, Op};
 
 impl<B: Backend> ModuleOps<Self> for Amp<B> {

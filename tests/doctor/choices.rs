@@ -1,0 +1,187 @@
+//! The precision report on choices: a mixture-of-experts router's argmax, top-2 and sort, in
+//! half precision against f32, share by share as the test computes them itself.
+
+use burn::backend::{Autodiff, Flex, Wgpu};
+use burn::module::Param;
+use burn::nn::{Linear, LinearConfig};
+use burn::prelude::*;
+use burn::tensor::Distribution;
+use burn::tensor::activation::softmax;
+use burn::tensor::backend::AutodiffBackend;
+use burn_amp::doctor::{OpPrecision, Suggestion};
+use burn_amp::{Amp, Precision, PrecisionReport, autocast};
+
+use crate::common::wgpu_device;
+use crate::serial;
+
+const TOKENS: usize = 512;
+const EXPERTS: usize = 16;
+const WIDTH: usize = 64;
+
+/// A router whose experts' weights share a large common part (as at initialisation from one
+/// checkpoint): logits ~8 apart by ~0.1, where bf16's spacing is 0.03 and f16's 0.004, so half
+/// precision picks other experts for some tokens.
+fn router<B: AutodiffBackend>(device: &B::Device) -> (Linear<B>, Tensor<B, 2>) {
+    B::seed(device, 11);
+    let common = Tensor::<B, 2>::random([WIDTH, 1], Distribution::Normal(0.0, 1.0), device);
+    let own = Tensor::<B, 2>::random([WIDTH, EXPERTS], Distribution::Normal(0.0, 0.02), device);
+    let mut linear = LinearConfig::new(WIDTH, EXPERTS)
+        .with_bias(false)
+        .init::<B>(device);
+    linear.weight = Param::from_tensor(common.repeat_dim(1, EXPERTS) + own);
+    let x = Tensor::<B, 2>::random([TOKENS, WIDTH], Distribution::Normal(1.0, 0.5), device);
+    (linear, x)
+}
+
+/// What the router chose: each token's expert (argmax), its top-2 (`argtopk`), its experts in
+/// order (a sort, as `topk_with_indices` does).
+struct Choices<B: Backend> {
+    top1: Tensor<B, 2, Int>,
+    top2: Tensor<B, 2, Int>,
+    sorted: Tensor<B, 2, Int>,
+}
+
+/// The router's logits (in f32 when `router_in_f32`) and the choices made on them, with a
+/// loss that depends on both.
+fn route<B: AutodiffBackend>(
+    m: &Linear<B>,
+    x: &Tensor<B, 2>,
+    router_in_f32: bool,
+) -> (Tensor<B, 1>, Choices<B>) {
+    let logits = if router_in_f32 {
+        let _f32 = autocast(Precision::F32);
+        m.forward(x.clone())
+    } else {
+        m.forward(x.clone())
+    };
+    let top1 = logits.clone().argmax(1);
+    let top2 = logits.clone().argtopk(2, 1);
+    let (_, sorted) = logits.clone().sort_descending_with_indices(1);
+    let gates = softmax(logits, 1);
+    let loss = gates.clone().gather(1, top1.clone()).sum() + gates.gather(1, top2.clone()).sum();
+    (loss, Choices { top1, top2, sorted })
+}
+
+fn host<B: Backend>(t: Tensor<B, 2, Int>) -> Vec<i64> {
+    t.into_data().convert::<i64>().to_vec::<i64>().unwrap()
+}
+
+/// The shares the report must give, computed here from the two runs' choices: argmax's each
+/// index, top-2 as sets per token, the sort's first place.
+fn expected<B: AutodiffBackend>(
+    m: &Linear<B>,
+    x: &Tensor<B, 2>,
+    precision: Precision,
+    router_in_f32: bool,
+) -> [f64; 3] {
+    let choices = |p: Precision| {
+        let _at = autocast(p);
+        let (_, c) = route(m, x, router_in_f32);
+        (host(c.top1), host(c.top2), host(c.sorted))
+    };
+    let (a1, a2, a3) = choices(Precision::F32);
+    let (b1, b2, b3) = choices(precision);
+    let share = |n: usize, of: usize| n as f64 / of as f64;
+    let top1 = share(a1.iter().zip(&b1).filter(|(a, b)| a != b).count(), TOKENS);
+    let top2 = share(
+        (0..TOKENS)
+            .map(|t| {
+                let (a, b) = (&a2[2 * t..2 * t + 2], &b2[2 * t..2 * t + 2]);
+                b.iter().filter(|e| !a.contains(e)).count()
+            })
+            .sum(),
+        2 * TOKENS,
+    );
+    let first = share(
+        (0..TOKENS)
+            .filter(|t| a3[t * EXPERTS] != b3[t * EXPERTS])
+            .count(),
+        TOKENS,
+    );
+    [top1, top2, first]
+}
+
+fn row<'a>(report: &'a PrecisionReport, op: &str, int: bool) -> &'a OpPrecision {
+    report
+        .ops
+        .iter()
+        .find(|o| o.op == op && o.differing.is_some() == int)
+        .unwrap_or_else(|| panic!("no {op} row (indices: {int}):\n{}", report.table(40)))
+}
+
+fn router_choices<B: AutodiffBackend>(device: &B::Device, precision: Precision) {
+    let _turn = serial();
+    let (model, x) = router::<B>(device);
+    for router_in_f32 in [false, true] {
+        let want = expected(&model, &x, precision, router_in_f32);
+        let report = PrecisionReport::measure(&model, precision, 1.0, |m: &Linear<B>| {
+            route(m, &x, router_in_f32).0
+        })
+        .unwrap();
+        let table = report.table(40);
+        assert_eq!(report.diverged_at, None, "{table}");
+        let rows = [
+            row(&report, "float_argmax", true),
+            row(&report, "float_argtopk", true),
+            row(&report, "float_sort_with_indices", true),
+        ];
+        for (o, want) in rows.iter().zip(want) {
+            assert_eq!(o.differing, Some(want), "{o:?}\n{table}");
+            assert_eq!(o.shape[0], TOKENS, "{o:?}");
+            assert!(o.dtype.starts_with('I'), "{o:?}");
+            assert_eq!((o.own_error, o.error), (None, None), "{o:?}");
+        }
+        // The sort's values are a float row of their own, measured as floats.
+        let values = row(&report, "float_sort_with_indices", false);
+        assert!(values.error.is_some(), "{values:?}");
+        if router_in_f32 {
+            // The same logits in both runs: the same choices, nothing to suggest.
+            for o in rows {
+                assert_eq!(
+                    (o.differing, o.suggestion),
+                    (Some(0.0), Suggestion::Fine),
+                    "{o:?}"
+                );
+            }
+        } else {
+            // Half logits choose otherwise for some tokens: the top-1 row is among the worst
+            // and says to compute the logits in f32.
+            assert!(
+                want[0] > 0.01,
+                "the planted near ties flip no choice: {want:?}"
+            );
+            let top1 = rows[0];
+            assert_eq!(top1.suggestion, Suggestion::ComputeItsInputInF32, "{table}");
+            assert!(
+                report.worst(5).iter().any(|o| o.op == "float_argmax"),
+                "{table}"
+            );
+            assert!(table.contains("% differ"), "{table}");
+            let json: serde_json::Value = serde_json::from_str(&report.to_json()).unwrap();
+            let differing = json["ops"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .find(|o| o["op"] == "float_argmax")
+                .unwrap()["differing"]
+                .as_f64();
+            assert_eq!(differing, Some(want[0]));
+        }
+    }
+}
+
+#[test]
+fn router_choices_flex_bf16() {
+    router_choices::<Amp<Autodiff<Flex>>>(&Default::default(), Precision::Bf16);
+}
+
+#[test]
+fn router_choices_flex_f16_below_autodiff() {
+    router_choices::<Autodiff<Amp<Flex>>>(&Default::default(), Precision::F16);
+}
+
+#[test]
+fn router_choices_wgpu_f16() {
+    let Some(device) = wgpu_device() else { return };
+    router_choices::<Amp<Autodiff<Wgpu>>>(&device, Precision::F16);
+}
