@@ -55,13 +55,14 @@
 //!
 //! [`CustomOp::run`] casts, calls the op and shows it to the [precision doctor](crate::doctor),
 //! which then names it when it creates an inf or NaN and measures what it loses in half
-//! precision; [`CustomOp::run_many`] does the same for several float outputs.
-//! [`CustomOp::cast`] casts alone (an op with int outputs too, or a number of inputs known at
-//! run time); the doctor does not see such an op, and an inf it creates shows as one passed on
-//! by the next op.
+//! precision; [`CustomOp::run_many`] does the same for several float outputs, and
+//! [`CustomOp::run_with_indices`] for an op that also returns indices (the report compares
+//! them with the f32 run's). [`CustomOp::cast`] casts alone (an op with bool outputs, or a
+//! number of inputs known at run time); the doctor does not see such an op, and an inf it
+//! creates shows as one passed on by the next op.
 
 use burn_backend::Backend;
-use burn_backend::tensor::FloatTensor;
+use burn_backend::tensor::{FloatTensor, IntTensor};
 use burn_std::FloatDType;
 
 pub use crate::backend::Category;
@@ -131,7 +132,7 @@ impl CustomOp {
         inputs: [FloatTensor<B>; N],
         op: impl Fn([FloatTensor<B>; N]) -> FloatTensor<B>,
     ) -> FloatTensor<B> {
-        self.probed::<B, N, _>(inputs, op)
+        self.probed::<B, N, _, 0>(inputs, |x| (op(x), [])).0
     }
 
     /// [`run`](Self::run) for an op with several float outputs (a fused layer norm's output,
@@ -143,14 +144,28 @@ impl CustomOp {
         inputs: [FloatTensor<B>; N],
         op: impl Fn([FloatTensor<B>; N]) -> [FloatTensor<B>; M],
     ) -> [FloatTensor<B>; M] {
-        self.probed::<B, N, _>(inputs, op)
+        self.probed::<B, N, _, 0>(inputs, |x| (op(x), [])).0
     }
 
-    fn probed<B: Backend, const N: usize, O: Outputs<FloatTensor<B>>>(
+    /// [`run_many`](Self::run_many) for an op that also returns indices it chose by comparing
+    /// floats (a fused router's experts beside their gates, a top-k's positions): the doctor
+    /// checks the float outputs, and the precision report gives each index output a row with
+    /// the share that differ from the f32 run's, index by index (see
+    /// [`OpPrecision::differing`](crate::doctor::OpPrecision::differing)).
+    #[allow(clippy::type_complexity)]
+    pub fn run_with_indices<B: Backend, const N: usize, const M: usize, const K: usize>(
         &self,
         inputs: [FloatTensor<B>; N],
-        op: impl Fn([FloatTensor<B>; N]) -> O,
-    ) -> O {
+        op: impl Fn([FloatTensor<B>; N]) -> ([FloatTensor<B>; M], [IntTensor<B>; K]),
+    ) -> ([FloatTensor<B>; M], [IntTensor<B>; K]) {
+        self.probed::<B, N, _, K>(inputs, op)
+    }
+
+    fn probed<B: Backend, const N: usize, O: Outputs<FloatTensor<B>>, const K: usize>(
+        &self,
+        inputs: [FloatTensor<B>; N],
+        op: impl Fn([FloatTensor<B>; N]) -> (O, [IntTensor<B>; K]),
+    ) -> (O, [IntTensor<B>; K]) {
         let plan = self.plan::<B>(inputs.iter());
         let mut probe = Probe::<B>::start_custom(*self);
         if let Some(probe) = probe.as_mut() {
@@ -158,7 +173,7 @@ impl CustomOp {
                 probe.input(x);
             }
             if self.reads(FloatDType::F32) && probe.wants_shadow(plan.target) {
-                let shadow = op(inputs.each_ref().map(Probe::<B>::shadow_input));
+                let (shadow, _) = op(inputs.each_ref().map(Probe::<B>::shadow_input));
                 probe.shadow_floats(&shadow.floats());
             }
         }
@@ -168,16 +183,16 @@ impl CustomOp {
                 probe.cast_input(x);
             }
         }
-        let out = op(inputs);
+        let (out, indices) = op(inputs);
         if let Some(probe) = probe {
-            probe.finish_floats(&out.floats());
+            probe.finish_outputs(&out.floats(), &indices.each_ref());
         }
-        out
+        (out, indices)
     }
 
     /// The op's float inputs, cast as the policy and the thread's precision say, into a dtype
-    /// the op reads: all in one dtype. For an op whose outputs are not all floats (values and
-    /// their indices) or whose number of inputs is known at run time
+    /// the op reads: all in one dtype. For an op with outputs of other kinds (a bool mask) or
+    /// whose number of inputs is known at run time
     /// ([`cast_vec`](Self::cast_vec)); the doctor does not see the op (see [`run`](Self::run)).
     pub fn cast<B: Backend, const N: usize>(
         &self,

@@ -295,23 +295,19 @@ impl<B: Backend> Probe<B> {
         } else {
             None
         };
-        self.finish_all(&outputs, indices);
+        self.finish_outputs(&outputs, indices.as_slice());
     }
 
-    /// The op's float outputs, in its order: checked together (the first non-finite one is
-    /// reported), or each recorded or measured as a call of its own.
-    pub(crate) fn finish_floats(self, outputs: &[&B::FloatTensorPrimitive]) {
-        self.finish_all(outputs, None);
-    }
-
-    /// [`finish_floats`](Self::finish_floats), then the indices the op chose (`argmax`,
-    /// `sort_with_indices`'s), recorded or compared as a call of their own.
-    fn finish_all(
+    /// The op's outputs, in its order. The floats are checked together (the first non-finite
+    /// one is reported), or each recorded or measured as a call of its own; then each index
+    /// output the op chose (`argmax`'s, `sort_with_indices`'s) is recorded or compared as a
+    /// call of its own.
+    pub(crate) fn finish_outputs(
         self,
         outputs: &[&B::FloatTensorPrimitive],
-        indices: Option<&B::IntTensorPrimitive>,
+        indices: &[&B::IntTensorPrimitive],
     ) {
-        if outputs.is_empty() && indices.is_none() {
+        if outputs.is_empty() && indices.is_empty() {
             return;
         }
         BUSY.with(|b| b.set(true));
@@ -325,7 +321,7 @@ impl<B: Backend> Probe<B> {
                 for output in outputs {
                     precision_report::record::<B>(self.op, output);
                 }
-                if let Some(indices) = indices {
+                for indices in indices {
                     precision_report::record_indices::<B>(self.op, indices);
                 }
             }
@@ -333,7 +329,7 @@ impl<B: Backend> Probe<B> {
                 for (k, output) in outputs.iter().enumerate() {
                     precision_report::compare::<B>(self.op, output, self.shadows.get(k));
                 }
-                if let Some(indices) = indices {
+                for indices in indices {
                     precision_report::compare_indices::<B>(self.op, indices, self.dim);
                 }
             }

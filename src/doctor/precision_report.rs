@@ -84,7 +84,8 @@ pub struct OpPrecision {
     pub min_abs: f64,
     /// Largest |x| in f32.
     pub max_abs: f64,
-    /// For indices an op chose (`argmax`, `argtopk`, `sort_with_indices`'s, `into_int`), a
+    /// For indices an op chose (`argmax`, `argtopk`, `sort_with_indices`'s, `into_int`, a
+    /// custom op's from [`run_with_indices`](crate::custom_op::CustomOp::run_with_indices)), a
     /// row of their own: the fraction that differ from the f32 run's, position by position
     /// (a router sending tokens to other experts). `None` for float outputs, and where the
     /// runs diverged.

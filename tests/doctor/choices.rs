@@ -185,3 +185,75 @@ fn router_choices_wgpu_f16() {
     let Some(device) = wgpu_device() else { return };
     router_choices::<Amp<Autodiff<Wgpu>>>(&device, Precision::F16);
 }
+
+/// A fused router of the user's own (`CustomOp::run_with_indices`): the logits, each token's
+/// best gate and its expert. The report measures the two float outputs and gives the expert
+/// indices a row with the share that differ from the f32 run's; through `cast` alone (the
+/// canary) it sees no such op.
+#[test]
+fn custom_router_indices_are_compared() {
+    use burn::tensor::TensorPrimitive;
+    use burn::tensor::ops::{FloatTensor, FloatTensorOps, IntTensor};
+    use burn_amp::custom_op::{Category, CustomOp};
+    type Inner = Autodiff<Flex>;
+    type B = Amp<Inner>;
+    const ROUTE: CustomOp = CustomOp::new("route", Category::Lower);
+    let _turn = serial();
+    let device = Default::default();
+    let (model, x) = router::<B>(&device);
+    let route = |m: &Linear<B>, seen: bool| {
+        let op =
+            |[x, w]: [FloatTensor<Inner>; 2]| -> ([FloatTensor<Inner>; 2], [IntTensor<Inner>; 1]) {
+                let logits = Inner::float_matmul(x, w);
+                let (gate, expert) = Inner::float_max_dim_with_indices(
+                    logits.clone(),
+                    1,
+                    burn::tensor::IntDType::I64,
+                );
+                ([logits, gate], [expert])
+            };
+        let inputs = [x.clone(), m.weight.val()].map(|t| t.into_primitive().tensor());
+        let ([logits, gate], [expert]) = if seen {
+            ROUTE.run_with_indices::<Inner, 2, 2, 1>(inputs, op)
+        } else {
+            op(ROUTE.cast::<Inner, 2>(inputs))
+        };
+        let float = |t| Tensor::<B, 2>::from_primitive(TensorPrimitive::Float(t));
+        let expert = Tensor::<B, 2, Int>::from_primitive(expert);
+        (float(logits).sum() + float(gate).sum(), expert)
+    };
+    let choices = |p: Precision| {
+        let _at = autocast(p);
+        host(route(&model, true).1)
+    };
+    let (a, b) = (choices(Precision::F32), choices(Precision::Bf16));
+    let want = a.iter().zip(&b).filter(|(a, b)| a != b).count() as f64 / TOKENS as f64;
+    assert!(want > 0.01, "the planted near ties flip no choice: {want}");
+    for seen in [true, false] {
+        let report = PrecisionReport::measure(&model, Precision::Bf16, 1.0, |m: &Linear<B>| {
+            route(m, seen).0
+        })
+        .unwrap();
+        let rows: Vec<&OpPrecision> = report.ops.iter().filter(|o| o.op == "route").collect();
+        if !seen {
+            assert!(rows.is_empty(), "{}", report.table(10));
+            continue;
+        }
+        let shapes: Vec<_> = rows
+            .iter()
+            .map(|o| (o.shape.clone(), o.differing))
+            .collect();
+        assert_eq!(
+            shapes,
+            vec![
+                (vec![TOKENS, EXPERTS], None),
+                (vec![TOKENS, 1], None),
+                (vec![TOKENS, 1], Some(want))
+            ],
+            "{}",
+            report.table(10)
+        );
+        assert!(rows[0].own_error.is_some_and(|e| e > 0.0), "{:?}", rows[0]);
+        assert_eq!(rows[2].suggestion, Suggestion::ComputeItsInputInF32);
+    }
+}
