@@ -67,7 +67,7 @@ use burn_std::FloatDType;
 
 pub use crate::backend::Category;
 use crate::backend::policy::{Autocast, Plan};
-use crate::doctor::Probe;
+use crate::doctor::{Chosen, Probe};
 
 /// An op of your own under autocast: its name, its [`Category`] in the policy, and the float
 /// dtypes its kernel reads. A small value, made once (`const`), used by each call.
@@ -185,7 +185,7 @@ impl CustomOp {
         }
         let (out, indices) = op(inputs);
         if let Some(probe) = probe {
-            probe.finish_outputs(&out.floats(), &indices.each_ref());
+            probe.finish_outputs(&out.floats(), &indices.each_ref().map(Chosen::Indices));
         }
         (out, indices)
     }

@@ -37,7 +37,7 @@ use core::any::Any;
 use core::cell::{Cell, RefCell};
 use core::sync::atomic::{AtomicUsize, Ordering};
 
-use burn::tensor::{Int, Tensor, TensorPrimitive};
+use burn::tensor::{Bool, Int, Tensor, TensorPrimitive};
 use burn_backend::{Backend, DType, Scalar, TensorMetadata};
 use burn_std::{FloatDType, Shape};
 use serde::Serialize;
@@ -205,8 +205,8 @@ impl<B: Backend> Probe<B> {
                 Session::Compare(_) => Kind::Compare,
             })
         })?;
-        // Indices hold no inf or NaN; the precision report compares them with the f32 run's.
-        if !makes_floats(op) && (kind == Kind::Anomaly || !makes_indices(op)) {
+        // Choices hold no inf or NaN; the precision report compares them with the f32 run's.
+        if !makes_floats(op) && (kind == Kind::Anomaly || !makes_choices(op)) {
             return None;
         }
         Some(Self {
@@ -290,24 +290,20 @@ impl<B: Backend> Probe<B> {
         } else {
             Vec::new()
         };
-        let indices = if makes_indices(self.op) {
-            index_output::<B>(output)
+        let chosen = if makes_choices(self.op) {
+            Chosen::<B>::of(self.op, output)
         } else {
             None
         };
-        self.finish_outputs(&outputs, indices.as_slice());
+        self.finish_outputs(&outputs, chosen.as_slice());
     }
 
     /// The op's outputs, in its order. The floats are checked together (the first non-finite
-    /// one is reported), or each recorded or measured as a call of its own; then each index
-    /// output the op chose (`argmax`'s, `sort_with_indices`'s) is recorded or compared as a
-    /// call of its own.
-    pub(crate) fn finish_outputs(
-        self,
-        outputs: &[&B::FloatTensorPrimitive],
-        indices: &[&B::IntTensorPrimitive],
-    ) {
-        if outputs.is_empty() && indices.is_empty() {
+    /// one is reported), or each recorded or measured as a call of its own; then each output
+    /// of choices (`argmax`'s indices, a comparison's mask) is recorded or compared as a call
+    /// of its own.
+    pub(crate) fn finish_outputs(self, outputs: &[&B::FloatTensorPrimitive], chosen: &[Chosen<B>]) {
+        if outputs.is_empty() && chosen.is_empty() {
             return;
         }
         BUSY.with(|b| b.set(true));
@@ -321,16 +317,16 @@ impl<B: Backend> Probe<B> {
                 for output in outputs {
                     precision_report::record::<B>(self.op, output);
                 }
-                for indices in indices {
-                    precision_report::record_indices::<B>(self.op, indices);
+                for chosen in chosen {
+                    precision_report::record_choices(self.op, chosen);
                 }
             }
             Kind::Compare => {
                 for (k, output) in outputs.iter().enumerate() {
                     precision_report::compare::<B>(self.op, output, self.shadows.get(k));
                 }
-                for indices in indices {
-                    precision_report::compare_indices::<B>(self.op, indices, self.dim);
+                for chosen in chosen {
+                    precision_report::compare_choices(self.op, chosen, self.dim);
                 }
             }
         }
@@ -338,73 +334,134 @@ impl<B: Backend> Probe<B> {
     }
 }
 
-/// Ops whose output holds no float values to check (comparisons, indices, metadata), and
-/// `float_empty`, whose values are whatever the memory held. A custom op makes floats.
+/// Ops whose output holds no float values to check (metadata, tests for inf/NaN, choices),
+/// and `float_empty`, whose values are whatever the memory held. A custom op makes floats.
 fn makes_floats(op: ProbedOp) -> bool {
     use Op::*;
-    let ProbedOp::Table(op) = op else {
+    let ProbedOp::Table(table) = op else {
         return true;
     };
-    !matches!(
-        op,
+    let none = matches!(
+        table,
         float_empty
             | float_device
             | float_is_require_grad
             | float_into_data
-            | float_into_int
-            | float_equal
-            | float_not_equal
-            | float_greater
-            | float_greater_equal
-            | float_lower
-            | float_lower_equal
-            | float_equal_elem
-            | float_not_equal_elem
-            | float_greater_elem
-            | float_greater_equal_elem
-            | float_lower_elem
-            | float_lower_equal_elem
             | float_is_nan
             | float_is_inf
             | float_any
             | float_any_dim
             | float_all
             | float_all_dim
-            | float_argmax
-            | float_argmin
-            | float_argsort
-            | float_argtopk
-    )
+    );
+    !(none || makes_indices_alone(op) || makes_mask(op))
 }
 
-/// Ops that choose by comparing float values and return the choice as integers (a router's
-/// top-k experts, a classifier's prediction, a bucket): in half precision a near tie can
-/// choose otherwise than f32 does. Their values are indices, not floats to measure.
-fn makes_indices(op: ProbedOp) -> bool {
+/// Ops that choose by comparing float values (a router's top-k experts, a classifier's
+/// prediction, a bucket, a threshold's mask): in half precision a near tie can choose
+/// otherwise than f32 does. Their choices are indices or booleans, not floats to measure.
+/// (`is_nan` and `is_inf` are not: what they tell apart is the report's overflow.)
+fn makes_choices(op: ProbedOp) -> bool {
+    use Op::*;
+    makes_indices_alone(op)
+        || makes_mask(op)
+        || matches!(
+            op,
+            ProbedOp::Table(
+                float_max_dim_with_indices | float_min_dim_with_indices | float_sort_with_indices
+            )
+        )
+}
+
+/// Ops whose one output is indices.
+fn makes_indices_alone(op: ProbedOp) -> bool {
     use Op::*;
     matches!(
         op,
         ProbedOp::Table(
-            float_argmax
-                | float_argmin
-                | float_argtopk
-                | float_argsort
-                | float_into_int
-                | float_max_dim_with_indices
-                | float_min_dim_with_indices
-                | float_sort_with_indices
+            float_argmax | float_argmin | float_argtopk | float_argsort | float_into_int
         )
     )
 }
 
-/// The indices in an op's output: an int tensor, or the second half of a (values, indices)
-/// pair.
-fn index_output<B: Backend>(output: &dyn Any) -> Option<&B::IntTensorPrimitive> {
-    output.downcast_ref::<B::IntTensorPrimitive>().or_else(|| {
+/// Comparisons: their choices are a bool mask.
+fn makes_mask(op: ProbedOp) -> bool {
+    use Op::*;
+    matches!(
+        op,
+        ProbedOp::Table(
+            float_equal
+                | float_not_equal
+                | float_greater
+                | float_greater_equal
+                | float_lower
+                | float_lower_equal
+                | float_equal_elem
+                | float_not_equal_elem
+                | float_greater_elem
+                | float_greater_equal_elem
+                | float_lower_elem
+                | float_lower_equal_elem
+        )
+    )
+}
+
+/// An output of choices: indices (an int tensor) or a mask (a bool tensor).
+pub(crate) enum Chosen<'a, B: Backend> {
+    Indices(&'a B::IntTensorPrimitive),
+    Mask(&'a B::BoolTensorPrimitive),
+}
+
+impl<'a, B: Backend> Chosen<'a, B> {
+    /// The choices in a table op's output: a comparison's mask, an int tensor, or the second
+    /// half of a (values, indices) pair. By the op, not the output's type: most backends'
+    /// int, bool and float tensors are one type.
+    fn of(op: ProbedOp, output: &'a dyn Any) -> Option<Self> {
+        if makes_mask(op) {
+            return output
+                .downcast_ref::<B::BoolTensorPrimitive>()
+                .map(Self::Mask);
+        }
         output
-            .downcast_ref::<(B::FloatTensorPrimitive, B::IntTensorPrimitive)>()
-            .map(|(_, i)| i)
-    })
+            .downcast_ref::<B::IntTensorPrimitive>()
+            .or_else(|| {
+                output
+                    .downcast_ref::<(B::FloatTensorPrimitive, B::IntTensorPrimitive)>()
+                    .map(|(_, i)| i)
+            })
+            .map(Self::Indices)
+    }
+
+    fn shape(&self) -> Vec<usize> {
+        match self {
+            Self::Indices(t) => t.shape().to_vec(),
+            Self::Mask(t) => t.shape().to_vec(),
+        }
+    }
+
+    fn dtype(&self) -> DType {
+        match self {
+            Self::Indices(t) => t.dtype(),
+            Self::Mask(t) => t.dtype(),
+        }
+    }
+
+    /// The choices on the host: indices as they are, a mask as 0 and 1.
+    fn host(&self) -> Vec<i64> {
+        let data = match self {
+            Self::Indices(t) => {
+                let n = t.shape().num_elements();
+                let t = B::int_reshape((*t).clone(), Shape::new([n]));
+                Tensor::<B, 1, Int>::from_primitive(t).into_data()
+            }
+            Self::Mask(t) => {
+                let n = t.shape().num_elements();
+                let t = B::bool_reshape((*t).clone(), Shape::new([n]));
+                Tensor::<B, 1, Bool>::from_primitive(t).into_data()
+            }
+        };
+        data.iter::<i64>().collect()
+    }
 }
 
 /// The float tensors in an op's output: a tensor, or a tensor with its indices.
@@ -477,17 +534,6 @@ fn host_values<B: Backend>(tensor: &B::FloatTensorPrimitive) -> Vec<f32> {
     Tensor::<B, 1>::from_primitive(TensorPrimitive::Float(t))
         .into_data()
         .to_vec::<f32>()
-        .unwrap_or_default()
-}
-
-/// An int tensor's values on the host, as i64.
-fn host_indices<B: Backend>(tensor: &B::IntTensorPrimitive) -> Vec<i64> {
-    let n = tensor.shape().num_elements();
-    let t = B::int_reshape(tensor.clone(), Shape::new([n]));
-    Tensor::<B, 1, Int>::from_primitive(t)
-        .into_data()
-        .convert::<i64>()
-        .to_vec::<i64>()
         .unwrap_or_default()
 }
 

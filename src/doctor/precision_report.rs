@@ -10,9 +10,7 @@ use burn_backend::TensorMetadata;
 use serde::Serialize;
 
 use super::gradients::Gradients;
-use super::{
-    GradientPrecision, Installed, ProbedOp, Session, category_name, host_indices, host_values,
-};
+use super::{Chosen, GradientPrecision, Installed, ProbedOp, Session, category_name, host_values};
 use crate::error::AmpError;
 use crate::precision::{Precision, autocast};
 
@@ -84,11 +82,12 @@ pub struct OpPrecision {
     pub min_abs: f64,
     /// Largest |x| in f32.
     pub max_abs: f64,
-    /// For indices an op chose (`argmax`, `argtopk`, `sort_with_indices`'s, `into_int`, a
-    /// custom op's from [`run_with_indices`](crate::custom_op::CustomOp::run_with_indices)), a
-    /// row of their own: the fraction that differ from the f32 run's, position by position
-    /// (a router sending tokens to other experts). `None` for float outputs, and where the
-    /// runs diverged.
+    /// For the choices an op made by comparing floats, a row of their own: indices
+    /// (`argmax`, `argtopk`, `sort_with_indices`'s, `into_int`, a custom op's from
+    /// [`run_with_indices`](crate::custom_op::CustomOp::run_with_indices)) or a comparison's
+    /// mask (`greater_elem`, `lower`, ...). The share that differ from the f32 run's (a router
+    /// sending tokens to other experts): a top-k's k per row as a set, a sort's first place,
+    /// else value by value. `None` for float outputs, and where the runs diverged.
     pub differing: Option<f64>,
     /// What to do.
     pub suggestion: Suggestion,
@@ -311,17 +310,17 @@ struct Recorded {
     values: Option<Values>,
 }
 
-/// An output's values on the host.
+/// An output's values on the host: floats, or choices (indices; a mask as 0 and 1).
 enum Values {
     Floats(Vec<f32>),
-    Indices(Vec<i64>),
+    Choices(Vec<i64>),
 }
 
 impl Values {
     fn len(&self) -> usize {
         match self {
             Values::Floats(v) => v.len(),
-            Values::Indices(v) => v.len(),
+            Values::Choices(v) => v.len(),
         }
     }
 }
@@ -358,10 +357,8 @@ pub(crate) fn record<B: Backend>(op: ProbedOp, output: &B::FloatTensorPrimitive)
     });
 }
 
-pub(crate) fn record_indices<B: Backend>(op: ProbedOp, indices: &B::IntTensorPrimitive) {
-    keep(op, indices.shape().to_vec(), || {
-        Values::Indices(host_indices::<B>(indices))
-    });
+pub(crate) fn record_choices<B: Backend>(op: ProbedOp, chosen: &Chosen<B>) {
+    keep(op, chosen.shape(), || Values::Choices(chosen.host()));
 }
 
 /// Records an output of the f32 run, its values while they fit in the capacity.
@@ -383,7 +380,7 @@ fn keep(op: ProbedOp, shape: Vec<usize>, values: impl FnOnce() -> Values) {
 
 /// The autocast run's next call, and the f32 run's values for it while the two runs do the
 /// same ops; `None` outside a comparison.
-fn next_call(op: ProbedOp, shape: &[usize], indices: bool) -> Option<(usize, Option<Values>)> {
+fn next_call(op: ProbedOp, shape: &[usize], choices: bool) -> Option<(usize, Option<Values>)> {
     super::with_session(|s| match s {
         Session::Compare(c) => {
             let call = c.call;
@@ -393,7 +390,7 @@ fn next_call(op: ProbedOp, shape: &[usize], indices: bool) -> Option<(usize, Opt
                     && r.shape == shape
                     && r.values
                         .as_ref()
-                        .is_none_or(|v| matches!(v, Values::Indices(_)) == indices)
+                        .is_none_or(|v| matches!(v, Values::Choices(_)) == choices)
             };
             let reference = match c.reference.get_mut(call).and_then(Option::take) {
                 Some(r) if c.diverged_at.is_none() && same(&r) => r.values,
@@ -420,20 +417,19 @@ fn push_row(row: OpPrecision) {
 /// More than this share of an op's choices differing from the f32 run's is worth a fix.
 const CHOICES_DIFFER: f64 = 0.01;
 
-pub(crate) fn compare_indices<B: Backend>(
-    op: ProbedOp,
-    indices: &B::IntTensorPrimitive,
-    dim: Option<usize>,
-) {
-    let shape = indices.shape().to_vec();
+pub(crate) fn compare_choices<B: Backend>(op: ProbedOp, chosen: &Chosen<B>, dim: Option<usize>) {
+    let shape = chosen.shape();
     let Some((call, reference)) = next_call(op, &shape, true) else {
         return;
     };
     let differing = match reference {
-        Some(Values::Indices(reference)) => {
-            let chosen = host_indices::<B>(indices);
-            Some(differing_choices(op, &shape, dim, &reference, &chosen))
-        }
+        Some(Values::Choices(reference)) => Some(differing_choices(
+            op,
+            &shape,
+            dim,
+            &reference,
+            &chosen.host(),
+        )),
         _ => None,
     };
     let suggestion = if differing.unwrap_or(0.0) > CHOICES_DIFFER {
@@ -446,7 +442,7 @@ pub(crate) fn compare_indices<B: Backend>(
         category: category_name(op.category()),
         call,
         shape,
-        dtype: format!("{:?}", indices.dtype()),
+        dtype: format!("{:?}", chosen.dtype()),
         own_error: None,
         error: None,
         underflow: 0.0,
@@ -516,8 +512,8 @@ pub(crate) fn compare<B: Backend>(
 /// The share of an op's choices that differ from the f32 run's. Along `dim`: the k indices
 /// of a top-k as a set (the same experts in another order is the same routing), a sort's
 /// first place alone (ties further down are common and a top-k by sort, Burn's
-/// `topk_with_indices`, keeps the head). Elsewhere each index (argmax's one per row,
-/// `into_int`'s values).
+/// `topk_with_indices`, keeps the head). Elsewhere value by value (argmax's one index per
+/// row, `into_int`'s values, a mask's).
 fn differing_choices(
     op: ProbedOp,
     shape: &[usize],

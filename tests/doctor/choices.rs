@@ -1,13 +1,14 @@
-//! The precision report on choices: a mixture-of-experts router's argmax, top-2 and sort, in
-//! half precision against f32, share by share as the test computes them itself.
+//! The precision report on choices: a mixture-of-experts router's argmax, top-2, sort and a
+//! threshold's mask, in half precision against f32, share by share as the test computes them
+//! itself.
 
 use burn::backend::{Autodiff, Flex, Wgpu};
 use burn::module::Param;
 use burn::nn::{Linear, LinearConfig};
 use burn::prelude::*;
-use burn::tensor::Distribution;
 use burn::tensor::activation::softmax;
 use burn::tensor::backend::AutodiffBackend;
+use burn::tensor::{Distribution, ElementConversion};
 use burn_amp::doctor::{OpPrecision, Suggestion};
 use burn_amp::{Amp, Precision, PrecisionReport, autocast};
 
@@ -34,11 +35,31 @@ fn router<B: AutodiffBackend>(device: &B::Device) -> (Linear<B>, Tensor<B, 2>) {
 }
 
 /// What the router chose: each token's expert (argmax), its top-2 (`argtopk`), its experts in
-/// order (a sort, as `topk_with_indices` does).
+/// order (a sort, as `topk_with_indices` does), the logits above a threshold and those above
+/// their f32 values (masks).
 struct Choices<B: Backend> {
     top1: Tensor<B, 2, Int>,
     top2: Tensor<B, 2, Int>,
     sorted: Tensor<B, 2, Int>,
+    above: Tensor<B, 2, Bool>,
+    rose: Tensor<B, 2, Bool>,
+}
+
+/// What the masks compare with: the f32 logits' mean (a threshold where many of them lie),
+/// and the f32 logits themselves (none rises above them in f32; about half of them do once
+/// rounded to a half dtype).
+struct Against<B: Backend> {
+    threshold: f64,
+    logits: Tensor<B, 2>,
+}
+
+fn against<B: AutodiffBackend>(m: &Linear<B>, x: &Tensor<B, 2>) -> Against<B> {
+    let _f32 = autocast(Precision::F32);
+    let logits = m.forward(x.clone()).detach();
+    Against {
+        threshold: logits.clone().mean().into_scalar().elem::<f64>(),
+        logits,
+    }
 }
 
 /// The router's logits (in f32 when `router_in_f32`) and the choices made on them, with a
@@ -47,6 +68,7 @@ fn route<B: AutodiffBackend>(
     m: &Linear<B>,
     x: &Tensor<B, 2>,
     router_in_f32: bool,
+    against: &Against<B>,
 ) -> (Tensor<B, 1>, Choices<B>) {
     let logits = if router_in_f32 {
         let _f32 = autocast(Precision::F32);
@@ -57,32 +79,47 @@ fn route<B: AutodiffBackend>(
     let top1 = logits.clone().argmax(1);
     let top2 = logits.clone().argtopk(2, 1);
     let (_, sorted) = logits.clone().sort_descending_with_indices(1);
+    let above = logits.clone().greater_elem(against.threshold);
+    let rose = logits.clone().greater(against.logits.clone());
     let gates = softmax(logits, 1);
     let loss = gates.clone().gather(1, top1.clone()).sum() + gates.gather(1, top2.clone()).sum();
-    (loss, Choices { top1, top2, sorted })
+    (
+        loss,
+        Choices {
+            top1,
+            top2,
+            sorted,
+            above,
+            rose,
+        },
+    )
 }
 
-fn host<B: Backend>(t: Tensor<B, 2, Int>) -> Vec<i64> {
-    t.into_data().convert::<i64>().to_vec::<i64>().unwrap()
+fn host<B: Backend, K: burn::tensor::BasicOps<B>>(t: Tensor<B, 2, K>) -> Vec<i64> {
+    t.into_data().iter::<i64>().collect()
 }
 
 /// The shares the report must give, computed here from the two runs' choices: argmax's each
-/// index, top-2 as sets per token, the sort's first place.
+/// index, top-2 as sets per token, the sort's first place, the masks' each value.
 fn expected<B: AutodiffBackend>(
     m: &Linear<B>,
     x: &Tensor<B, 2>,
     precision: Precision,
     router_in_f32: bool,
-) -> [f64; 3] {
+    against: &Against<B>,
+) -> [f64; 5] {
     let choices = |p: Precision| {
         let _at = autocast(p);
-        let (_, c) = route(m, x, router_in_f32);
-        (host(c.top1), host(c.top2), host(c.sorted))
+        let (_, c) = route(m, x, router_in_f32, against);
+        let masks = (host(c.above), host(c.rose));
+        (host(c.top1), host(c.top2), host(c.sorted), masks)
     };
-    let (a1, a2, a3) = choices(Precision::F32);
-    let (b1, b2, b3) = choices(precision);
+    let (a1, a2, a3, (a4, a5)) = choices(Precision::F32);
+    let (b1, b2, b3, (b4, b5)) = choices(precision);
     let share = |n: usize, of: usize| n as f64 / of as f64;
-    let top1 = share(a1.iter().zip(&b1).filter(|(a, b)| a != b).count(), TOKENS);
+    let differ =
+        |a: &[i64], b: &[i64]| share(a.iter().zip(b).filter(|(a, b)| a != b).count(), a.len());
+    let top1 = differ(&a1, &b1);
     let top2 = share(
         (0..TOKENS)
             .map(|t| {
@@ -98,7 +135,7 @@ fn expected<B: AutodiffBackend>(
             .count(),
         TOKENS,
     );
-    [top1, top2, first]
+    [top1, top2, first, differ(&a4, &b4), differ(&a5, &b5)]
 }
 
 fn row<'a>(report: &'a PrecisionReport, op: &str, int: bool) -> &'a OpPrecision {
@@ -112,10 +149,11 @@ fn row<'a>(report: &'a PrecisionReport, op: &str, int: bool) -> &'a OpPrecision 
 fn router_choices<B: AutodiffBackend>(device: &B::Device, precision: Precision) {
     let _turn = serial();
     let (model, x) = router::<B>(device);
+    let against = against(&model, &x);
     for router_in_f32 in [false, true] {
-        let want = expected(&model, &x, precision, router_in_f32);
+        let want = expected(&model, &x, precision, router_in_f32, &against);
         let report = PrecisionReport::measure(&model, precision, 1.0, |m: &Linear<B>| {
-            route(m, &x, router_in_f32).0
+            route(m, &x, router_in_f32, &against).0
         })
         .unwrap();
         let table = report.table(40);
@@ -124,11 +162,18 @@ fn router_choices<B: AutodiffBackend>(device: &B::Device, precision: Precision) 
             row(&report, "float_argmax", true),
             row(&report, "float_argtopk", true),
             row(&report, "float_sort_with_indices", true),
+            row(&report, "float_greater_elem", true),
+            row(&report, "float_greater", true),
         ];
         for (o, want) in rows.iter().zip(want) {
             assert_eq!(o.differing, Some(want), "{o:?}\n{table}");
             assert_eq!(o.shape[0], TOKENS, "{o:?}");
-            assert!(o.dtype.starts_with('I'), "{o:?}");
+            let kind = if o.op.starts_with("float_greater") {
+                "Bool"
+            } else {
+                "I"
+            };
+            assert!(o.dtype.starts_with(kind), "{o:?}");
             assert_eq!((o.own_error, o.error), (None, None), "{o:?}");
         }
         // The sort's values are a float row of their own, measured as floats.
@@ -150,6 +195,13 @@ fn router_choices<B: AutodiffBackend>(device: &B::Device, precision: Precision) 
                 want[0] > 0.01,
                 "the planted near ties flip no choice: {want:?}"
             );
+            // Logits near the threshold cross it in bf16 (spacing 0.06 at 8); f16's
+            // rounding may leave all 8192 on their side. Rounded, about half rise above
+            // their f32 values.
+            if precision == Precision::Bf16 {
+                assert!(want[3] > 0.0, "{want:?}");
+            }
+            assert!((0.2..0.8).contains(&want[4]), "{want:?}");
             let top1 = rows[0];
             assert_eq!(top1.suggestion, Suggestion::ComputeItsInputInF32, "{table}");
             assert!(
