@@ -6,6 +6,7 @@ use burn_backend::{Backend, TensorMetadata};
 use serde::Serialize;
 
 use super::backtrace::{self, Frame};
+use super::entered::{Entered, Trace};
 use super::{
     Installed, Probe, ProbedOp, Session, TensorInfo, any_nonfinite, category_name, host_values,
 };
@@ -81,10 +82,11 @@ impl AnomalyGuard {
     /// another thread, such as a data loader's, or before the guard; a gradient from the
     /// backward above `Amp`; a parameter an optimizer kernel spoilt; a custom op called
     /// through `cast` alone). An input whose inf/NaN gives a finite output (a mask's `-inf`
-    /// through a softmax) is not looked at. Not an error ([`check`] stays `Ok`). `None`
-    /// where the step's first non-finite value was made by a watched op ([`report`]) or placed
-    /// (a mask filled with `-inf`: for the rest of that step, where a value came from is not
-    /// told; [`detect_nan`] ignores such masks). Steps are `AmpOptimizer`'s.
+    /// through a softmax) is not looked at. Values a watched op placed (a mask filled with
+    /// `-inf`) or passed on are told apart from those by their dtype, shape and counts of
+    /// NaN, +inf and -inf. Not an error ([`check`] stays `Ok`). Once a watched op has created
+    /// one in a step ([`report`]), the rest of that step is not traced: what follows may be
+    /// its consequence (the backward of a NaN loss). Steps are `AmpOptimizer`'s.
     ///
     /// [`check`]: Self::check
     /// [`report`]: Self::report
@@ -121,7 +123,7 @@ impl AnomalyGuard {
             if let Session::Anomaly(state) = s {
                 state.first = None;
                 state.entered = None;
-                state.seen = false;
+                state.trace = Trace::default();
                 state.passed_on = 0;
                 state.created = 0;
             }
@@ -148,16 +150,20 @@ pub(crate) struct State {
     created: u64,
     // Boxed: a session is mostly without a report.
     first: Option<Box<Anomaly>>,
-    /// A non-finite output was met in this step.
-    seen: bool,
+    /// What the step's watched ops made non-finite, to tell a value from outside.
+    trace: Trace,
     entered: Option<Box<Entered>>,
 }
 
 impl State {
+    pub(super) fn trace(&self) -> &Trace {
+        &self.trace
+    }
+
     pub(crate) fn next_step(&mut self) {
         self.step += 1;
         self.call = 0;
-        self.seen = false;
+        self.trace = Trace::default();
     }
 }
 
@@ -208,7 +214,30 @@ pub struct NonFinite {
 }
 
 impl NonFinite {
-    fn count(values: &[f32]) -> Self {
+    /// Counted on the device: three sums read back, not the values.
+    pub(super) fn on_device<B: Backend>(tensor: &B::FloatTensorPrimitive) -> Self {
+        use burn::tensor::{Tensor, TensorPrimitive};
+        let n = tensor.shape().num_elements();
+        let t = B::float_reshape(B::float_detach(tensor.clone()), burn_std::Shape::new([n]));
+        let t = Tensor::<B, 1>::from_primitive(TensorPrimitive::Float(t));
+        let counts = Tensor::cat(
+            vec![
+                t.clone().is_nan().int().sum(),
+                t.clone().equal_elem(f32::INFINITY).int().sum(),
+                t.equal_elem(f32::NEG_INFINITY).int().sum(),
+            ],
+            0,
+        );
+        let counts: Vec<i64> = counts.into_data().iter::<i64>().collect();
+        Self {
+            nan: counts[0] as usize,
+            pos_inf: counts[1] as usize,
+            neg_inf: counts[2] as usize,
+            total: n,
+        }
+    }
+
+    pub(super) fn count(values: &[f32]) -> Self {
         let mut n = NonFinite {
             total: values.len(),
             ..Self::default()
@@ -347,91 +376,8 @@ impl fmt::Display for Anomaly {
     }
 }
 
-/// An inf or NaN no watched op made: where it came in (host data loaded, or an op's input).
-#[derive(Debug, Clone, PartialEq, Serialize)]
-pub struct Entered {
-    /// The op that read it, named as the backend trait's method.
-    pub op: &'static str,
-    /// Forward or backward.
-    pub phase: Phase,
-    /// Training step (counted by `AmpOptimizer`'s steps since the guard was made).
-    pub step: u64,
-    /// The op's index among the float ops of that step.
-    pub call: u64,
-    /// The input's position among the op's float inputs; `None` for `float_from_data`, which
-    /// brought it in from host data (a batch, a mask, a record).
-    pub input: Option<usize>,
-    /// The input as it reached the op (before autocast's cast), or the data's tensor.
-    pub tensor: TensorInfo,
-    /// How many of its values were non-finite.
-    pub values: NonFinite,
-    /// The call stack at the op, trimmed to the model's frames (first: the innermost).
-    pub backtrace: Vec<Frame>,
-}
-
-impl Entered {
-    fn at<B: Backend>(
-        probe: &Probe<B>,
-        input: Option<usize>,
-        tensor: &B::FloatTensorPrimitive,
-        (step, call): (u64, u64),
-    ) -> Self {
-        let (backtrace, phase) = where_now();
-        let entered = Self {
-            op: probe.op.name(),
-            phase,
-            step,
-            call,
-            input,
-            tensor: TensorInfo::of::<B>(tensor),
-            values: NonFinite::count(&host_values::<B>(tensor)),
-            backtrace,
-        };
-        log::warn!("burn-amp: {entered}");
-        entered
-    }
-
-    /// The innermost frame of the model's code: where the op was called.
-    pub fn user_frame(&self) -> Option<&Frame> {
-        self.backtrace.first()
-    }
-
-    /// What to do about it, in a sentence.
-    pub fn advice(&self) -> String {
-        if self.input.is_none() {
-            return "the host data already held it: check the batch (a division by zero in \
-                    preprocessing, a missing value read as NaN) or the record loaded; an \
-                    additive attention mask's -inf is expected here"
-                .into();
-        }
-        "no op that the doctor watches made this value: check what reaches this line: the \
-         batch (`x.is_nan().any()` on the inputs, a division by zero in preprocessing), a \
-         gradient (under `Amp<Autodiff<B>>` the backward runs below `Amp`, unseen: \
-         `Autodiff<Amp<B>>` shows its ops), a parameter an earlier update spoilt (only a loss \
-         scaler skips a non-finite step), a custom op called through `CustomOp::cast` alone, \
-         a constant built with inf/NaN"
-            .into()
-    }
-}
-
-impl fmt::Display for Entered {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let source = match self.input {
-            Some(input) => format!("read {} in its input {input}", self.values),
-            None => format!("loaded {} from host data", self.values),
-        };
-        writeln!(
-            f,
-            "{} ({}, step {}, op call {}) {source} ({}), made by no watched op",
-            self.op, self.phase, self.step, self.call, self.tensor
-        )?;
-        write_frames(f, &self.backtrace)?;
-        write!(f, "  advice: {}", self.advice())
-    }
-}
-
 /// The model's frames, innermost first, as a report prints them.
-fn write_frames(f: &mut fmt::Formatter<'_>, frames: &[Frame]) -> fmt::Result {
+pub(super) fn write_frames(f: &mut fmt::Formatter<'_>, frames: &[Frame]) -> fmt::Result {
     for (i, frame) in frames.iter().take(8).enumerate() {
         writeln!(f, "  {} {frame}", if i == 0 { "at" } else { "  " })?;
     }
@@ -479,22 +425,21 @@ pub(crate) fn check<B: Backend>(probe: &Probe<B>, outputs: &[&B::FloatTensorPrim
         return;
     };
     let input_bad = |t: &B::FloatTensorPrimitive| any_nonfinite::<B>(t, nan_only);
-    // Whether a non-finite output was met earlier in this step (if not, a non-finite input
-    // came from outside the watched ops), and whether a way in is told already (the first is
-    // kept; a later one is not looked at).
-    let (seen, told) = super::with_session(|s| match s {
-        Session::Anomaly(state) => Some((
-            core::mem::replace(&mut state.seen, true),
-            state.entered.is_some(),
-        )),
+    // Whether a value from outside the watched ops is still looked for in this step.
+    let tracing = super::with_session(|s| match s {
+        Session::Anomaly(state) => Some(state.entered.is_none() && !state.trace.stopped()),
         _ => None,
     })
     .flatten()
-    .unwrap_or((true, true));
+    .unwrap_or(false);
+    let trace = |f: &mut dyn FnMut(&mut Trace)| {
+        super::with_session(|s| {
+            if let Session::Anomaly(state) = s {
+                f(&mut state.trace);
+            }
+        });
+    };
     let enter = |input: Option<usize>, tensor: &B::FloatTensorPrimitive| {
-        if seen || told {
-            return;
-        }
         let entered = Entered::at(probe, input, tensor, (step, call));
         super::with_session(|s| {
             if let Session::Anomaly(state) = s {
@@ -504,7 +449,9 @@ pub(crate) fn check<B: Backend>(probe: &Probe<B>, outputs: &[&B::FloatTensorPrim
     };
     // Host data brought in (a batch, a mask, a record): the data's, not an op's.
     if probe.op == ProbedOp::Table(Op::float_from_data) {
-        enter(None, bad);
+        if tracing {
+            enter(None, bad);
+        }
         return;
     }
     // A fill or clamp with -inf places the scalar on purpose (attention masks): not blamed.
@@ -515,8 +462,21 @@ pub(crate) fn check<B: Backend>(probe: &Probe<B>, outputs: &[&B::FloatTensorPrim
         probe.inputs.iter().position(input_bad)
     };
     if placed || bad_input.is_some() {
-        if let Some(input) = bad_input {
-            enter(Some(input), &probe.inputs[input]);
+        if tracing {
+            // An input no watched op made or passed on in this step came from outside.
+            let outside = probe
+                .inputs
+                .iter()
+                .enumerate()
+                .filter(|(_, t)| input_bad(t))
+                .find(|(_, t)| !Trace::explains_now::<B>(t));
+            match outside {
+                Some((input, tensor)) => enter(Some(input), tensor),
+                None => {
+                    let made = NonFinite::on_device::<B>(bad);
+                    trace(&mut |t| t.made(TensorInfo::of::<B>(bad), made));
+                }
+            }
         }
         super::with_session(|s| {
             if let Session::Anomaly(state) = s {
@@ -525,6 +485,7 @@ pub(crate) fn check<B: Backend>(probe: &Probe<B>, outputs: &[&B::FloatTensorPrim
         });
         return;
     }
+    trace(&mut |t| t.stop());
     super::with_session(|s| {
         if let Session::Anomaly(state) = s {
             state.created += 1;
@@ -566,7 +527,7 @@ pub(crate) fn check<B: Backend>(probe: &Probe<B>, outputs: &[&B::FloatTensorPrim
 }
 
 /// The call stack here, trimmed to the model's frames, and the pass it belongs to.
-fn where_now() -> (Vec<Frame>, Phase) {
+pub(super) fn where_now() -> (Vec<Frame>, Phase) {
     let frames = backtrace::capture();
     let phase = if backtrace::in_backward(&frames) {
         Phase::Backward {

@@ -23,13 +23,17 @@
 
 mod anomaly;
 mod backtrace;
+mod choices;
+mod entered;
 mod gradients;
 mod precision_report;
 
-pub use anomaly::{
-    Anomaly, AnomalyGuard, Cause, Entered, NonFinite, Phase, detect_anomaly, detect_nan,
-};
+pub(crate) use choices::Chosen;
+use choices::{makes_choices, makes_indices_alone, makes_mask};
+
+pub use anomaly::{Anomaly, AnomalyGuard, Cause, NonFinite, Phase, detect_anomaly, detect_nan};
 pub use backtrace::Frame;
+pub use entered::Entered;
 pub use gradients::GradientPrecision;
 pub use precision_report::{OpPrecision, PrecisionReport, Suggestion};
 
@@ -37,7 +41,7 @@ use core::any::Any;
 use core::cell::{Cell, RefCell};
 use core::sync::atomic::{AtomicUsize, Ordering};
 
-use burn::tensor::{Bool, Int, Tensor, TensorPrimitive};
+use burn::tensor::{Tensor, TensorPrimitive};
 use burn_backend::{Backend, DType, Scalar, TensorMetadata};
 use burn_std::{FloatDType, Shape};
 use serde::Serialize;
@@ -355,113 +359,6 @@ fn makes_floats(op: ProbedOp) -> bool {
             | float_all_dim
     );
     !(none || makes_indices_alone(op) || makes_mask(op))
-}
-
-/// Ops that choose by comparing float values (a router's top-k experts, a classifier's
-/// prediction, a bucket, a threshold's mask): in half precision a near tie can choose
-/// otherwise than f32 does. Their choices are indices or booleans, not floats to measure.
-/// (`is_nan` and `is_inf` are not: what they tell apart is the report's overflow.)
-fn makes_choices(op: ProbedOp) -> bool {
-    use Op::*;
-    makes_indices_alone(op)
-        || makes_mask(op)
-        || matches!(
-            op,
-            ProbedOp::Table(
-                float_max_dim_with_indices | float_min_dim_with_indices | float_sort_with_indices
-            )
-        )
-}
-
-/// Ops whose one output is indices.
-fn makes_indices_alone(op: ProbedOp) -> bool {
-    use Op::*;
-    matches!(
-        op,
-        ProbedOp::Table(
-            float_argmax | float_argmin | float_argtopk | float_argsort | float_into_int
-        )
-    )
-}
-
-/// Comparisons: their choices are a bool mask.
-fn makes_mask(op: ProbedOp) -> bool {
-    use Op::*;
-    matches!(
-        op,
-        ProbedOp::Table(
-            float_equal
-                | float_not_equal
-                | float_greater
-                | float_greater_equal
-                | float_lower
-                | float_lower_equal
-                | float_equal_elem
-                | float_not_equal_elem
-                | float_greater_elem
-                | float_greater_equal_elem
-                | float_lower_elem
-                | float_lower_equal_elem
-        )
-    )
-}
-
-/// An output of choices: indices (an int tensor) or a mask (a bool tensor).
-pub(crate) enum Chosen<'a, B: Backend> {
-    Indices(&'a B::IntTensorPrimitive),
-    Mask(&'a B::BoolTensorPrimitive),
-}
-
-impl<'a, B: Backend> Chosen<'a, B> {
-    /// The choices in a table op's output: a comparison's mask, an int tensor, or the second
-    /// half of a (values, indices) pair. By the op, not the output's type: most backends'
-    /// int, bool and float tensors are one type.
-    fn of(op: ProbedOp, output: &'a dyn Any) -> Option<Self> {
-        if makes_mask(op) {
-            return output
-                .downcast_ref::<B::BoolTensorPrimitive>()
-                .map(Self::Mask);
-        }
-        output
-            .downcast_ref::<B::IntTensorPrimitive>()
-            .or_else(|| {
-                output
-                    .downcast_ref::<(B::FloatTensorPrimitive, B::IntTensorPrimitive)>()
-                    .map(|(_, i)| i)
-            })
-            .map(Self::Indices)
-    }
-
-    fn shape(&self) -> Vec<usize> {
-        match self {
-            Self::Indices(t) => t.shape().to_vec(),
-            Self::Mask(t) => t.shape().to_vec(),
-        }
-    }
-
-    fn dtype(&self) -> DType {
-        match self {
-            Self::Indices(t) => t.dtype(),
-            Self::Mask(t) => t.dtype(),
-        }
-    }
-
-    /// The choices on the host: indices as they are, a mask as 0 and 1.
-    fn host(&self) -> Vec<i64> {
-        let data = match self {
-            Self::Indices(t) => {
-                let n = t.shape().num_elements();
-                let t = B::int_reshape((*t).clone(), Shape::new([n]));
-                Tensor::<B, 1, Int>::from_primitive(t).into_data()
-            }
-            Self::Mask(t) => {
-                let n = t.shape().num_elements();
-                let t = B::bool_reshape((*t).clone(), Shape::new([n]));
-                Tensor::<B, 1, Bool>::from_primitive(t).into_data()
-            }
-        };
-        data.iter::<i64>().collect()
-    }
 }
 
 /// The float tensors in an op's output: a tensor, or a tensor with its indices.

@@ -9,6 +9,7 @@ use burn::tensor::backend::AutodiffBackend;
 use burn_backend::TensorMetadata;
 use serde::Serialize;
 
+use super::choices::differing_choices;
 use super::gradients::Gradients;
 use super::{Chosen, GradientPrecision, Installed, ProbedOp, Session, category_name, host_values};
 use crate::error::AmpError;
@@ -509,63 +510,6 @@ pub(crate) fn compare<B: Backend>(
     });
 }
 
-/// The share of an op's choices that differ from the f32 run's. Along `dim`: the k indices
-/// of a top-k as a set (the same experts in another order is the same routing), a sort's
-/// first place alone (ties further down are common and a top-k by sort, Burn's
-/// `topk_with_indices`, keeps the head). Elsewhere value by value (argmax's one index per
-/// row, `into_int`'s values, a mask's).
-fn differing_choices(
-    op: ProbedOp,
-    shape: &[usize],
-    dim: Option<usize>,
-    reference: &[i64],
-    chosen: &[i64],
-) -> f64 {
-    use crate::backend::Op::{float_argsort, float_argtopk, float_sort_with_indices};
-    #[derive(PartialEq)]
-    enum Along {
-        Set,
-        First,
-    }
-    let along = match (op, dim) {
-        (ProbedOp::Table(float_argtopk), Some(dim)) => Some((dim, Along::Set)),
-        (ProbedOp::Table(float_argsort | float_sort_with_indices), Some(dim)) => {
-            Some((dim, Along::First))
-        }
-        _ => None,
-    };
-    let n = reference.len().min(chosen.len());
-    let (differ, total) = match along {
-        Some((dim, along)) if dim < shape.len() && shape[dim] > 0 && n > 0 => {
-            let len = shape[dim];
-            let inner: usize = shape[dim + 1..].iter().product();
-            let outer = n / (len * inner);
-            let (mut differ, mut total) = (0usize, 0usize);
-            for o in 0..outer {
-                for i in 0..inner {
-                    let at = |j: usize| (o * len + j) * inner + i;
-                    if along == Along::First {
-                        total += 1;
-                        differ += usize::from(reference[at(0)] != chosen[at(0)]);
-                        continue;
-                    }
-                    for j in 0..len {
-                        total += 1;
-                        let c = chosen[at(j)];
-                        differ += usize::from(!(0..len).any(|q| reference[at(q)] == c));
-                    }
-                }
-            }
-            (differ, total)
-        }
-        _ => (
-            reference.iter().zip(chosen).filter(|(a, b)| a != b).count(),
-            n,
-        ),
-    };
-    differ as f64 / total.max(1) as f64
-}
-
 fn smallest_normal(dtype: burn_backend::DType) -> f64 {
     match dtype {
         burn_backend::DType::F16 => f64::from(half::f16::MIN_POSITIVE),
@@ -647,23 +591,5 @@ mod tests {
         // 2.0 → 0 is cancellation (an error), not underflow.
         assert_eq!((under, over), (0.25, 0.25));
         assert!((lo - 1e-9).abs() < 1e-15 && (hi - 7e4).abs() < 1e-3);
-    }
-
-    #[test]
-    fn choices_are_compared_as_the_op_makes_them() {
-        use crate::backend::Op;
-        let reference = [0, 1, 2, 3, 3, 0];
-        let chosen = [1, 0, 2, 3, 1, 0];
-        let share = |op, shape: &[usize], dim| {
-            differing_choices(ProbedOp::Table(op), shape, Some(dim), &reference, &chosen)
-        };
-        // Top-2 of 3 rows along dim 1: the same experts in another order is no difference;
-        // row 2 swapped expert 3 for 1.
-        assert_eq!(share(Op::float_argtopk, &[3, 2], 1), 1.0 / 6.0);
-        // The same indices compared one by one (an argmax's): 3 of 6.
-        assert_eq!(share(Op::float_argmax, &[3, 2], 1), 0.5);
-        // A sort along dim 0 of a [2, 3]: its rows are the columns; the first place of
-        // column 0 (0 vs 1) and column 1 (1 vs 0) differ, column 2's (2 vs 2) not.
-        assert_eq!(share(Op::float_sort_with_indices, &[2, 3], 0), 2.0 / 3.0);
     }
 }

@@ -8,7 +8,7 @@
 //!   the test's own code; the ops that pass it on are not blamed; a `-inf` mask is not an
 //!   anomaly; a healthy step reports nothing. A value no watched op made (host data with a
 //!   NaN, an additive mask, a batch built on another thread) is told as entered, not blamed,
-//!   step by step.
+//!   step by step, and after a `-inf` mask placed and passed on in the same step.
 //! - `precision_report.rs`: on TinyLm the report ranks op calls by what they lose in half
 //!   precision, a planted catastrophic-cancellation matmul is at the top, gradients'
 //!   underflow follows the loss scale, the JSON parses.
