@@ -8,7 +8,7 @@ use burn::tensor::backend::AutodiffBackend;
 use serde::Serialize;
 
 use super::Suggestion;
-use super::precision_report::{range_loss, relative_error};
+use super::measure::{range_loss, relative_error};
 use crate::precision::Precision;
 
 /// f16's smallest subnormal and largest finite value.

@@ -26,6 +26,7 @@ mod backtrace;
 mod choices;
 mod entered;
 mod gradients;
+mod measure;
 mod precision_report;
 
 pub(crate) use choices::Chosen;
@@ -161,7 +162,8 @@ impl ProbedOp {
 pub struct Probe<B: Backend> {
     op: ProbedOp,
     kind: Kind,
-    /// The float inputs as the caller gave them (anomaly: were they finite already?).
+    /// The float inputs as the caller gave them (anomaly: were they finite already? report:
+    /// which op made what a choice compares?).
     inputs: Vec<B::FloatTensorPrimitive>,
     /// The float inputs as the op ran, after autocast's casts.
     cast_inputs: Vec<B::FloatTensorPrimitive>,
@@ -228,7 +230,8 @@ impl<B: Backend> Probe<B> {
     /// One float input, before autocast's cast.
     pub fn input(&mut self, tensor: &B::FloatTensorPrimitive) {
         self.half_input |= is_half(tensor.dtype());
-        if self.kind == Kind::Anomaly {
+        // The report looks for the op that made what a choice compares.
+        if self.kind == Kind::Anomaly || (self.kind == Kind::Compare && makes_choices(self.op)) {
             self.inputs.push(tensor.clone());
         }
     }
@@ -330,7 +333,7 @@ impl<B: Backend> Probe<B> {
                     precision_report::compare::<B>(self.op, output, self.shadows.get(k));
                 }
                 for chosen in chosen {
-                    precision_report::compare_choices(self.op, chosen, self.dim);
+                    precision_report::compare_choices(self.op, chosen, self.dim, &self.inputs);
                 }
             }
         }

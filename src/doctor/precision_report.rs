@@ -1,6 +1,8 @@
 //! The precision report: one step at f32 and under autocast, op by op.
 
 use core::fmt::{self, Write as _};
+use core::hash::{Hash, Hasher};
+use std::collections::HashMap;
 
 use burn::module::AutodiffModule;
 use burn::optim::GradientsParams;
@@ -11,6 +13,7 @@ use serde::Serialize;
 
 use super::choices::differing_choices;
 use super::gradients::Gradients;
+use super::measure::{bf16_epsilon, f16_epsilon, range_loss, relative_error, smallest_normal};
 use super::{Chosen, GradientPrecision, Installed, ProbedOp, Session, category_name, host_values};
 use crate::error::AmpError;
 use crate::precision::{Precision, autocast};
@@ -90,6 +93,10 @@ pub struct OpPrecision {
     /// sending tokens to other experts): a top-k's k per row as a set, a sort's first place,
     /// else value by value. `None` for float outputs, and where the runs diverged.
     pub differing: Option<f64>,
+    /// For choices: the call whose output the op compared (its first float input), where a
+    /// watched op made it (the first call that made those values: a reshape after it is not
+    /// named). The op to compute in f32 when the choices differ.
+    pub compared: Option<usize>,
     /// What to do.
     pub suggestion: Suggestion,
 }
@@ -206,6 +213,20 @@ impl PrecisionReport {
         ops
     }
 
+    /// A row's suggestion, with the op to compute in f32 where a choice differs.
+    fn suggestion(&self, o: &OpPrecision) -> String {
+        let made = o
+            .compared
+            .filter(|_| o.suggestion != Suggestion::Fine)
+            .and_then(|call| {
+                self.ops
+                    .iter()
+                    .find(|r| r.call == call)
+                    .map(|r| format!(" (call {call}, `{}`)", r.op))
+            });
+        format!("{}{}", o.suggestion, made.unwrap_or_default())
+    }
+
     /// The report as one JSON line.
     pub fn to_json(&self) -> String {
         serde_json::to_string(self).expect("the report serializes")
@@ -263,7 +284,7 @@ impl PrecisionReport {
                 e(o.own_error),
                 error,
                 range,
-                o.suggestion
+                self.suggestion(o)
             );
         }
         let _ = writeln!(
@@ -339,6 +360,9 @@ pub(crate) struct Comparison {
     call: usize,
     diverged_at: Option<usize>,
     rows: Vec<OpPrecision>,
+    /// Each float output's values (a hash) and the first call that made them: the op behind
+    /// what a choice compares.
+    made: HashMap<u64, usize>,
 }
 
 impl Comparison {
@@ -348,8 +372,19 @@ impl Comparison {
             call: 0,
             diverged_at: None,
             rows: Vec::new(),
+            made: HashMap::new(),
         }
     }
+}
+
+/// A hash of values, bit for bit.
+fn fingerprint(values: &[f32]) -> u64 {
+    let mut h = std::hash::DefaultHasher::new();
+    values.len().hash(&mut h);
+    for v in values {
+        v.to_bits().hash(&mut h);
+    }
+    h.finish()
 }
 
 pub(crate) fn record<B: Backend>(op: ProbedOp, output: &B::FloatTensorPrimitive) {
@@ -418,7 +453,12 @@ fn push_row(row: OpPrecision) {
 /// More than this share of an op's choices differing from the f32 run's is worth a fix.
 const CHOICES_DIFFER: f64 = 0.01;
 
-pub(crate) fn compare_choices<B: Backend>(op: ProbedOp, chosen: &Chosen<B>, dim: Option<usize>) {
+pub(crate) fn compare_choices<B: Backend>(
+    op: ProbedOp,
+    chosen: &Chosen<B>,
+    dim: Option<usize>,
+    inputs: &[B::FloatTensorPrimitive],
+) {
     let shape = chosen.shape();
     let Some((call, reference)) = next_call(op, &shape, true) else {
         return;
@@ -438,6 +478,13 @@ pub(crate) fn compare_choices<B: Backend>(op: ProbedOp, chosen: &Chosen<B>, dim:
     } else {
         Suggestion::Fine
     };
+    // The op that made what it compares: its first float input's values, as an output's.
+    let key = inputs.first().map(|x| fingerprint(&host_values::<B>(x)));
+    let compared = super::with_session(|s| match s {
+        Session::Compare(c) => key.and_then(|k| c.made.get(&k).copied()),
+        _ => None,
+    })
+    .flatten();
     push_row(OpPrecision {
         op: op.name(),
         category: category_name(op.category()),
@@ -451,6 +498,7 @@ pub(crate) fn compare_choices<B: Backend>(op: ProbedOp, chosen: &Chosen<B>, dim:
         min_abs: 0.0,
         max_abs: 0.0,
         differing,
+        compared,
         suggestion,
     });
 }
@@ -506,90 +554,12 @@ pub(crate) fn compare<B: Backend>(
         min_abs,
         max_abs,
         differing: None,
+        compared: None,
         suggestion,
     });
-}
-
-fn smallest_normal(dtype: burn_backend::DType) -> f64 {
-    match dtype {
-        burn_backend::DType::F16 => f64::from(half::f16::MIN_POSITIVE),
-        burn_backend::DType::BF16 => f64::from(half::bf16::MIN_POSITIVE),
-        burn_backend::DType::F64 => f64::MIN_POSITIVE,
-        _ => f64::from(f32::MIN_POSITIVE),
-    }
-}
-
-fn f16_epsilon() -> f64 {
-    f64::from(half::f16::EPSILON)
-}
-
-fn bf16_epsilon() -> f64 {
-    f64::from(half::bf16::EPSILON)
-}
-
-/// ‖b − a‖ / ‖a‖ over the values finite in both (‖b − a‖ where a is all zero).
-pub(super) fn relative_error(a: &[f32], b: &[f32]) -> f64 {
-    let (mut diff, mut norm) = (0.0f64, 0.0f64);
-    for (&a, &b) in a.iter().zip(b) {
-        if a.is_finite() && b.is_finite() {
-            let (a, b) = (f64::from(a), f64::from(b));
-            diff += (b - a) * (b - a);
-            norm += a * a;
+    super::with_session(|s| {
+        if let Session::Compare(c) = s {
+            c.made.entry(fingerprint(&values)).or_insert(call);
         }
-    }
-    if norm > 0.0 {
-        (diff / norm).sqrt()
-    } else {
-        diff.sqrt()
-    }
-}
-
-/// (underflow, overflow, min nonzero |truth|, max |truth|), the first two as fractions of all
-/// values. Underflow: a value below `smallest_normal` (where the dtype's range ends, not its
-/// precision) that became 0; a cancellation to 0 is an error, not an underflow.
-pub(super) fn range_loss(
-    truth: &[f32],
-    values: &[f32],
-    smallest_normal: f64,
-) -> (f64, f64, f64, f64) {
-    let (mut under, mut over) = (0usize, 0usize);
-    let (mut lo, mut hi) = (f64::INFINITY, 0.0f64);
-    for (&t, &v) in truth.iter().zip(values) {
-        if !t.is_finite() {
-            continue;
-        }
-        let a = f64::from(t.abs());
-        if a > 0.0 {
-            lo = lo.min(a);
-            if v == 0.0 && a < smallest_normal {
-                under += 1;
-            }
-        }
-        hi = hi.max(a);
-        if !v.is_finite() {
-            over += 1;
-        }
-    }
-    let n = truth.len().max(1) as f64;
-    let lo = if lo.is_finite() { lo } else { 0.0 };
-    (under as f64 / n, over as f64 / n, lo, hi)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn relative_error_and_range_loss() {
-        assert!((relative_error(&[3.0, 4.0], &[3.0, 4.5]) - 0.1).abs() < 1e-12);
-        assert_eq!(relative_error(&[0.0, 0.0], &[0.0, 0.0]), 0.0);
-        let (under, over, lo, hi) = range_loss(
-            &[1e-9, 2.0, 7e4, 0.0],
-            &[0.0, 0.0, f32::INFINITY, 0.0],
-            6.1e-5,
-        );
-        // 2.0 → 0 is cancellation (an error), not underflow.
-        assert_eq!((under, over), (0.25, 0.25));
-        assert!((lo - 1e-9).abs() < 1e-15 && (hi - 7e4).abs() < 1e-3);
-    }
+    });
 }

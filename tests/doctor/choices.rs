@@ -204,6 +204,12 @@ fn router_choices<B: AutodiffBackend>(device: &B::Device, precision: Precision) 
             assert!((0.2..0.8).contains(&want[4]), "{want:?}");
             let top1 = rows[0];
             assert_eq!(top1.suggestion, Suggestion::ComputeItsInputInF32, "{table}");
+            // What it compared: the router's logits, `linear`'s output (call 0).
+            let linear = row(&report, "linear", false);
+            for o in rows {
+                assert_eq!(o.compared, Some(linear.call), "{o:?}\n{table}");
+            }
+            assert!(table.contains("(call 0, `linear`)"), "{table}");
             assert!(
                 report.worst(5).iter().any(|o| o.op == "float_argmax"),
                 "{table}"
