@@ -1,7 +1,6 @@
 //! The precision report: one step at f32 and under autocast, op by op.
 
 use core::fmt::{self, Write as _};
-use core::hash::{Hash, Hasher};
 use std::collections::HashMap;
 
 use burn::module::AutodiffModule;
@@ -377,14 +376,14 @@ impl Comparison {
     }
 }
 
-/// A hash of values, bit for bit.
+/// A hash of values, bit for bit (FNV-1a over 32-bit words: cheap beside the read-back; a
+/// collision would only name another call).
 fn fingerprint(values: &[f32]) -> u64 {
-    let mut h = std::hash::DefaultHasher::new();
-    values.len().hash(&mut h);
-    for v in values {
-        v.to_bits().hash(&mut h);
-    }
-    h.finish()
+    values
+        .iter()
+        .fold(0xcbf2_9ce4_8422_2325 ^ values.len() as u64, |h, v| {
+            (h ^ u64::from(v.to_bits())).wrapping_mul(0x0000_0100_0000_01b3)
+        })
 }
 
 pub(crate) fn record<B: Backend>(op: ProbedOp, output: &B::FloatTensorPrimitive) {
