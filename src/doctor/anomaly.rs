@@ -156,10 +156,6 @@ pub(crate) struct State {
 }
 
 impl State {
-    pub(super) fn trace(&self) -> &Trace {
-        &self.trace
-    }
-
     pub(crate) fn next_step(&mut self) {
         self.step += 1;
         self.call = 0;
@@ -401,19 +397,23 @@ impl fmt::Display for Phase {
     }
 }
 
-/// Checks the op's outputs; blames the op (or its input cast) when it created inf/NaN.
-pub(crate) fn check<B: Backend>(probe: &Probe<B>, outputs: &[&B::FloatTensorPrimitive]) {
-    let (nan_only, call, step, reported) = match super::with_session(|s| match s {
-        Session::Anomaly(state) => {
-            let call = state.call;
-            state.call += 1;
-            state.checked += 1;
-            Some((state.nan_only, call, state.step, state.first.is_some()))
-        }
+/// Runs `f` on this thread's anomaly session, if that is the session on.
+fn with_state<R>(f: impl FnOnce(&mut State) -> R) -> Option<R> {
+    super::with_session(|s| match s {
+        Session::Anomaly(state) => Some(f(state)),
         _ => None,
     })
     .flatten()
-    {
+}
+
+/// Checks the op's outputs; blames the op (or its input cast) when it created inf/NaN.
+pub(crate) fn check<B: Backend>(probe: &Probe<B>, outputs: &[&B::FloatTensorPrimitive]) {
+    let (nan_only, call, step, reported) = match with_state(|state| {
+        let call = state.call;
+        state.call += 1;
+        state.checked += 1;
+        (state.nan_only, call, state.step, state.first.is_some())
+    }) {
         Some(found) => found,
         None => return,
     };
@@ -426,26 +426,11 @@ pub(crate) fn check<B: Backend>(probe: &Probe<B>, outputs: &[&B::FloatTensorPrim
     };
     let input_bad = |t: &B::FloatTensorPrimitive| any_nonfinite::<B>(t, nan_only);
     // Whether a value from outside the watched ops is still looked for in this step.
-    let tracing = super::with_session(|s| match s {
-        Session::Anomaly(state) => Some(state.entered.is_none() && !state.trace.stopped()),
-        _ => None,
-    })
-    .flatten()
-    .unwrap_or(false);
-    let trace = |f: &mut dyn FnMut(&mut Trace)| {
-        super::with_session(|s| {
-            if let Session::Anomaly(state) = s {
-                f(&mut state.trace);
-            }
-        });
-    };
+    let tracing =
+        with_state(|state| state.entered.is_none() && !state.trace.stopped()).unwrap_or(false);
     let enter = |input: Option<usize>, tensor: &B::FloatTensorPrimitive| {
         let entered = Entered::at(probe, input, tensor, (step, call));
-        super::with_session(|s| {
-            if let Session::Anomaly(state) = s {
-                state.entered = Some(Box::new(entered));
-            }
-        });
+        with_state(|state| state.entered = Some(Box::new(entered)));
     };
     // Host data brought in (a batch, a mask, a record): the data's, not an op's.
     if probe.op == ProbedOp::Table(Op::float_from_data) {
@@ -469,27 +454,24 @@ pub(crate) fn check<B: Backend>(probe: &Probe<B>, outputs: &[&B::FloatTensorPrim
                 .iter()
                 .enumerate()
                 .filter(|(_, t)| input_bad(t))
-                .find(|(_, t)| !Trace::explains_now::<B>(t));
+                .find(|(_, t)| {
+                    let seen = Trace::fingerprint::<B>(t);
+                    !with_state(|state| state.trace.explains(&seen)).unwrap_or(false)
+                });
             match outside {
                 Some((input, tensor)) => enter(Some(input), tensor),
                 None => {
-                    let made = NonFinite::on_device::<B>(bad);
-                    trace(&mut |t| t.made(TensorInfo::of::<B>(bad), made));
+                    let made = Trace::fingerprint::<B>(bad);
+                    with_state(|state| state.trace.made(made));
                 }
             }
         }
-        super::with_session(|s| {
-            if let Session::Anomaly(state) = s {
-                state.passed_on += 1;
-            }
-        });
+        with_state(|state| state.passed_on += 1);
         return;
     }
-    trace(&mut |t| t.stop());
-    super::with_session(|s| {
-        if let Session::Anomaly(state) = s {
-            state.created += 1;
-        }
+    with_state(|state| {
+        state.trace.stop();
+        state.created += 1;
     });
     if reported {
         // One report, the first: later creators are counted only.
@@ -519,11 +501,7 @@ pub(crate) fn check<B: Backend>(probe: &Probe<B>, outputs: &[&B::FloatTensorPrim
         backtrace: frames,
     };
     log::error!("burn-amp anomaly: {anomaly}");
-    super::with_session(|s| {
-        if let Session::Anomaly(state) = s {
-            state.first = Some(Box::new(anomaly));
-        }
-    });
+    with_state(|state| state.first = Some(Box::new(anomaly)));
 }
 
 /// The call stack here, trimmed to the model's frames, and the pass it belongs to.

@@ -118,24 +118,27 @@ impl Trace {
         self.made = Vec::new();
     }
 
-    pub(crate) fn made(&mut self, tensor: TensorInfo, values: NonFinite) {
+    /// A value's fingerprint: dtype, shape, and its NaN/+inf/-inf counted on the device.
+    pub(crate) fn fingerprint<B: Backend>(
+        tensor: &B::FloatTensorPrimitive,
+    ) -> (TensorInfo, NonFinite) {
+        (
+            TensorInfo::of::<B>(tensor),
+            NonFinite::on_device::<B>(tensor),
+        )
+    }
+
+    /// A watched op of this step made or passed on a value with this fingerprint.
+    pub(crate) fn made(&mut self, fingerprint: (TensorInfo, NonFinite)) {
         if self.made.len() >= MADE_CAPACITY {
             self.stop();
-        } else if !self.made.contains(&(tensor.clone(), values)) {
-            self.made.push((tensor, values));
+        } else if !self.explains(&fingerprint) {
+            self.made.push(fingerprint);
         }
     }
 
-    /// Whether a watched op of this step made a value like `tensor`'s (this thread's trace).
-    pub(crate) fn explains_now<B: Backend>(tensor: &B::FloatTensorPrimitive) -> bool {
-        let key = (
-            TensorInfo::of::<B>(tensor),
-            NonFinite::on_device::<B>(tensor),
-        );
-        super::with_session(|s| match s {
-            super::Session::Anomaly(state) => state.trace().made.contains(&key),
-            _ => false,
-        })
-        .unwrap_or(false)
+    /// Whether a watched op of this step made a value with this fingerprint.
+    pub(crate) fn explains(&self, fingerprint: &(TensorInfo, NonFinite)) -> bool {
+        self.made.contains(fingerprint)
     }
 }
