@@ -45,9 +45,17 @@ if [[ $mode != stand-in ]] && { [[ ! -f .gpu/gpu_check.xz ]] || ! grep -q 'featu
     echo "error: .gpu/ holds no CUDA build: run scripts/gpu-build.sh first" >&2
     exit 2
 fi
-if [[ $mode == packed ]] && { [[ ! -f .gpu/kernel-cache.tar.xz ]] ||
-    [[ $(sed -n 's/^for binary sha256: //p' .gpu/kernel-cache.txt) != $(sed -n 's/^sha256 (unpacked): //p' .gpu/manifest.txt) ]]; }; then
-    echo "error: .gpu/ has no kernel cache made for its binary: run scripts/cuda-compile-check.sh without --packed" >&2
+# The rule gpu-check.sh follows: a cache made for this binary, or from its kernels' sources.
+cache_fits() {
+    local field made_for
+    for field in "binary sha256:sha256 (unpacked)" "kernel sources sha256:kernel sources sha256"; do
+        made_for=$(sed -n "s/^for ${field%%:*}: //p" .gpu/kernel-cache.txt 2>/dev/null)
+        [[ -n $made_for && $made_for == $(sed -n "s/^${field#*:}: //p" .gpu/manifest.txt) ]] && return 0
+    done
+    return 1
+}
+if [[ $mode == packed ]] && { [[ ! -f .gpu/kernel-cache.tar.xz ]] || ! cache_fits; }; then
+    echo "error: .gpu/ has no kernel cache made for its binary or from its kernels' sources: run scripts/cuda-compile-check.sh without --packed" >&2
     exit 2
 fi
 
@@ -241,9 +249,12 @@ for from in "$dir" "$dir/correctness-speed"; do
     parts="correctness, speed"
 done
 binary_sha=$(sed -n 's/^sha256 (unpacked): //p' .gpu/manifest.txt)
+kernel_sources=$(sed -n 's/^kernel sources sha256: //p' .gpu/manifest.txt)
 cat > .gpu/kernel-cache.txt <<EOF
 kernel cache: kernel-cache.tar.xz (CubeCL's compilation cache, PTX for sm_90a)
 for binary sha256: $binary_sha
+for kernel sources sha256: $kernel_sources
+for commit: $(sed -n 's/^commit: //p' .gpu/manifest.txt)
 made: $(date -u +%Y-%m-%dT%H:%M:%SZ) by scripts/cuda-compile-check.sh (nvrtc 13.0.88, no GPU)
 parts: $parts
 kernels: $(kernels_in "$from/kernel-cache")

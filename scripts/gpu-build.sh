@@ -12,7 +12,15 @@
 #
 # .gpu/ holds gpu_check.xz (stripped; xz: 12 MiB against gzip's 19 for the release build, which
 # leaves room for the kernel cache, scripts/cuda-compile-check.sh) and manifest.txt (what was
-# built, from which commit, the binary's sha256 and the newest glibc symbol it needs).
+# built, from which commit, the binary's sha256, the newest glibc symbol it needs, and the
+# sha256 of what its kernels are made from).
+#
+# A kernel cache already in .gpu/ is kept when the kernels' sources are those of the new build:
+# CubeCL names a cached kernel by its type and configuration, not by its code, so a cache is
+# only as good as the sources it was compiled from: cubecl_kernels/ (every #[cube] function of
+# burn-amp lives there), Cargo.toml and Cargo.lock (CubeCL's, Burn's fusion and cudarc's code,
+# pinned) and the build's features. A change elsewhere (the doctor, the examples, the README)
+# needs only this build, not the hour of scripts/cuda-compile-check.sh again.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -45,6 +53,15 @@ case "${1:-}" in
         ;;
 esac
 
+# What the kernels are made from (see above); the CI build's differs by its features.
+kernel_sources=$( { find cubecl_kernels -type f -print0 | sort -z | xargs -0 sha256sum
+    sha256sum Cargo.toml Cargo.lock; echo "$build"; } | sha256sum | cut -d' ' -f1)
+kept=$(mktemp -d)
+trap 'rm -rf "$kept"' EXIT
+if [[ -f $dest/kernel-cache.tar.xz ]] &&
+    [[ $(sed -n 's/^for kernel sources sha256: //p' "$dest/kernel-cache.txt" 2>/dev/null) == "$kernel_sources" ]]; then
+    mv "$dest"/kernel-cache.* "$kept/"
+fi
 rm -rf "$dest"
 mkdir -p "$dest"
 strip -o "$dest/gpu_check" "$bin"
@@ -62,7 +79,13 @@ built: $(date -u +%Y-%m-%dT%H:%M:%SZ) on $(uname -m)
 sha256 (unpacked): $sha
 bytes unpacked: $stripped
 newest glibc symbol: ${glibc:-none found}
+kernel sources sha256: $kernel_sources
 EOF
+if [[ -f $kept/kernel-cache.tar.xz ]]; then
+    mv "$kept"/kernel-cache.* "$dest/"
+    packed=$(du -sb "$dest" | cut -f1)
+    echo "kept .gpu/'s kernel cache: made from the same kernel sources ($(sed -n 's/^made: //p' "$dest/kernel-cache.txt"))"
+fi
 
 mib() { awk -v b="$1" 'BEGIN { printf "%.1f", b / 1048576 }'; }
 echo "gpu_check: $(mib "$(stat -c %s "$bin")") MiB built, $(mib "$stripped") MiB stripped, $(mib "$packed") MiB packed in $dest/ (limit $limit_mib MiB)"

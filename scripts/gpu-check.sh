@@ -117,14 +117,25 @@ if [[ "$backend" == cuda ]]; then
         --format=csv,noheader 2>&1 | tee -a "$out/log.txt" >&2
 fi
 
-# The kernels compiled ahead (scripts/cuda-compile-check.sh): only if made for this binary.
+# The kernels compiled ahead (scripts/cuda-compile-check.sh): only if made for this binary, or
+# from the same kernel sources (CubeCL finds a cached kernel by its type and configuration,
+# not its code: scripts/gpu-build.sh says what the sources are). A kernel the cache lacks
+# compiles here.
 if [[ "$backend" == cuda && -f .gpu/kernel-cache.tar.xz ]]; then
     made_for=$(sed -n 's/^for binary sha256: //p' .gpu/kernel-cache.txt 2>/dev/null)
-    if [[ "$made_for" == "$have" ]] && unxz_stdout .gpu/kernel-cache.tar.xz | tar -C "$work" -xf -; then
+    sources_made=$(sed -n 's/^for kernel sources sha256: //p' .gpu/kernel-cache.txt 2>/dev/null)
+    sources_have=$(sed -n 's/^kernel sources sha256: //p' .gpu/manifest.txt)
+    fits=""
+    if [[ "$made_for" == "$have" ]]; then
+        fits="made for this binary"
+    elif [[ -n "$sources_made" && "$sources_made" == "$sources_have" ]]; then
+        fits="made for the build of $(sed -n 's/^for commit: //p' .gpu/kernel-cache.txt), from the same kernel sources"
+    fi
+    if [[ -n "$fits" ]] && unxz_stdout .gpu/kernel-cache.tar.xz | tar -C "$work" -xf -; then
         GPU_CHECK_ARGS="--kernel-cache $work/kernel-cache ${GPU_CHECK_ARGS:-}"
-        log "kernel cache: $(sed -n 's/^kernels: //p' .gpu/kernel-cache.txt) kernels compiled ahead for $(sed -n 's/^parts: //p' .gpu/kernel-cache.txt) ($(sed -n 's/^made: //p' .gpu/kernel-cache.txt)), unpacked"
+        log "kernel cache: $(sed -n 's/^kernels: //p' .gpu/kernel-cache.txt) kernels compiled ahead for $(sed -n 's/^parts: //p' .gpu/kernel-cache.txt) ($(sed -n 's/^made: //p' .gpu/kernel-cache.txt); $fits), unpacked"
     else
-        log "kernel cache not used: made for another gpu_check (or unreadable); every kernel compiles here"
+        log "kernel cache not used: made for another gpu_check from other kernel sources (or unreadable); every kernel compiles here"
     fi
 fi
 
