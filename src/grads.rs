@@ -188,6 +188,22 @@ impl<B: Backend> GradList<B> {
         })
     }
 
+    /// Each gradient in the wider of its dtype and its parameter's: an f16 gradient of an f32
+    /// parameter is cast up, an f32 gradient of an f16 parameter stays f32. Where gradients
+    /// are still multiplied by the loss scale, this is the dtype to unscale them in: cast to
+    /// an f16 parameter's dtype first, a scaled gradient of 2 (131072 at the initial scale)
+    /// would be inf, and the step skipped for an overflow that unscaling removes.
+    pub fn widened(self) -> Self {
+        self.map_entries(|grad, param_dtype| {
+            let dtype = wider(grad.dtype(), param_dtype);
+            if grad.dtype() != dtype {
+                B::float_cast(grad, dtype.into())
+            } else {
+                grad
+            }
+        })
+    }
+
     fn map_entries(self, mut f: impl FnMut(FloatTensor<B>, DType) -> FloatTensor<B>) -> Self {
         let entries = self
             .entries
@@ -259,8 +275,16 @@ impl<B: Backend> GradList<B> {
         *self = core::mem::take(self).map(|grad| {
             let shape = grad.shape();
             let g: Tensor<B, 1> = flat(grad);
-            let c = coef.clone().to_device(&g.device()).cast(g.dtype());
-            B::float_reshape((g * c).into_primitive().tensor(), shape)
+            // In f32: a coefficient under f16's 6.1e-5 (a norm over 1.6e4 clipped to 1) would
+            // lose bits as a subnormal, and under 6e-8 be 0.
+            let dtype = g.dtype();
+            let c = coef.clone().to_device(&g.device());
+            let clipped = if dtype == DType::F64 {
+                g * c.cast(FloatDType::F64)
+            } else {
+                (g.cast(FloatDType::F32) * c).cast(dtype)
+            };
+            B::float_reshape(clipped.into_primitive().tensor(), shape)
         });
         Some(norm)
     }
@@ -307,8 +331,27 @@ impl<B: Backend> GradList<B> {
 impl<B: ScalerKernels> GradList<B> {
     /// Raises `found_inf` (f32 `[1]`) if any gradient holds inf or NaN; reads every gradient
     /// once and writes nothing else ([`ScalerKernels::check_finite`]).
+    ///
+    /// Gradients on several devices (Burn's `MultiGradientsParams` sums each parameter's on a
+    /// device of its own) are checked on theirs, and the flags gathered on `found_inf`'s.
     pub fn check_finite(&self, found_inf: Tensor<B, 1>) -> Tensor<B, 1> {
-        tensor(B::check_finite(self.tensors(), primitive(found_inf)))
+        let home = found_inf.device();
+        let groups = by_device::<B>(&self.entries, &home);
+        let mut found = found_inf;
+        for (device, indices) in groups {
+            let tensors = indices
+                .iter()
+                .map(|&i| self.entries[i].grad.clone())
+                .collect();
+            if device == home {
+                found = tensor(B::check_finite(tensors, primitive(found)));
+            } else {
+                let zero = f32_scalar::<B>(0.0, &device);
+                let there: Tensor<B, 1> = tensor(B::check_finite(tensors, primitive(zero)));
+                found = found.max_pair(there.to_device(&home));
+            }
+        }
+        found
     }
 
     /// Multiplies every gradient by `inv_scale` and raises `found_inf` on inf or NaN, in one
@@ -318,11 +361,68 @@ impl<B: ScalerKernels> GradList<B> {
         inv_scale: Tensor<B, 1>,
         found_inf: Tensor<B, 1>,
     ) -> (Self, Tensor<B, 1>) {
-        // By value: the kernel unscales in place where nothing else holds a gradient.
+        let home = found_inf.device();
+        let groups = by_device::<B>(&self.entries, &home);
+        if groups.len() == 1 && groups[0].0 == home {
+            // By value: the kernel unscales in place where nothing else holds a gradient.
+            let (tensors, rest) = self.split();
+            let (tensors, found) =
+                B::unscale_and_check(tensors, primitive(inv_scale), primitive(found_inf));
+            return (Self::rejoin(tensors, rest), tensor(found));
+        }
+        // On several devices: each device's gradients with the scale and a flag there.
         let (tensors, rest) = self.split();
-        let (tensors, found) =
-            B::unscale_and_check(tensors, primitive(inv_scale), primitive(found_inf));
-        (Self::rejoin(tensors, rest), tensor(found))
+        let mut slots: Vec<Option<FloatTensor<B>>> = tensors.into_iter().map(Some).collect();
+        let mut found = found_inf;
+        for (device, indices) in groups {
+            let group = indices.iter().map(|&i| slots[i].take().unwrap()).collect();
+            let inv = inv_scale.clone().to_device(&device);
+            let flag = f32_scalar::<B>(0.0, &device);
+            let (group, there) = B::unscale_and_check(group, primitive(inv), primitive(flag));
+            for (i, g) in indices.into_iter().zip(group) {
+                slots[i] = Some(g);
+            }
+            found = found.max_pair(tensor::<B, 1>(there).to_device(&home));
+        }
+        let tensors = slots.into_iter().map(|g| g.unwrap()).collect();
+        (Self::rejoin(tensors, rest), found)
+    }
+}
+
+/// The entries' indices by device, in order of first appearance; `home` first if it holds any.
+fn by_device<B: Backend>(
+    entries: &[GradEntry<B>],
+    home: &B::Device,
+) -> Vec<(B::Device, Vec<usize>)> {
+    let mut groups: Vec<(B::Device, Vec<usize>)> = vec![(home.clone(), Vec::new())];
+    for (i, e) in entries.iter().enumerate() {
+        let device = B::float_device(&e.grad);
+        match groups.iter_mut().find(|(d, _)| *d == device) {
+            Some((_, indices)) => indices.push(i),
+            None => groups.push((device, vec![i])),
+        }
+    }
+    // An empty list still goes through the kernels once, on `home`.
+    if groups.len() > 1 && groups[0].1.is_empty() {
+        groups.remove(0);
+    }
+    groups
+}
+
+/// The wider of two float dtypes (f64 > f32 > half); two different half dtypes meet in f32.
+fn wider(a: DType, b: DType) -> DType {
+    let width = |d: DType| match d {
+        DType::F64 => 3,
+        DType::F32 | DType::Flex32 => 2,
+        DType::F16 | DType::BF16 => 1,
+        _ => 0,
+    };
+    match width(a).cmp(&width(b)) {
+        std::cmp::Ordering::Greater => a,
+        std::cmp::Ordering::Less if b.is_float() => b,
+        std::cmp::Ordering::Less => a,
+        std::cmp::Ordering::Equal if a == b || !b.is_float() => a,
+        std::cmp::Ordering::Equal => DType::F32,
     }
 }
 

@@ -46,6 +46,7 @@ pub mod kernels;
 pub mod memory;
 pub mod optim;
 pub mod precision;
+pub mod record;
 pub mod scaler;
 
 pub use accumulate::{GradientAccumulation, GradientAccumulationConfig, Reduction};

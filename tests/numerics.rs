@@ -1,8 +1,9 @@
 //! Numbers the scaler and the optimizers must get right (each test failed before its fix):
 //! a gradient has its parameter's dtype on both stacks, every parameter keeps its own AdamW
 //! step count, f16 gradients are unscaled in f32, SGD's momentum starts as PyTorch's after a
-//! skipped step, several modules share one scaler, and a multi-device step follows the
-//! gradient's device.
+//! skipped step, several modules share one scaler, a multi-device step follows the
+//! gradient's device, clipping f16 gradients applies its coefficient in f32, and an
+//! accumulated f16 gradient of an f32 parameter is not narrowed back to f16.
 
 mod common;
 
@@ -115,7 +116,7 @@ fn a_late_parameter_gets_a_first_adamw_step() {
     let record = Optimizer::<Two<B>, B>::to_record(&optim);
     let count = |id: ParamId| {
         let state = record[&id].clone().into_state::<1>();
-        state.step.into_scalar().elem::<f32>()
+        state.step.0.into_scalar().elem::<f32>()
     };
     assert_eq!((count(a), count(b)), (11.0, 1.0));
 }
@@ -348,8 +349,10 @@ fn unscale_casts_to_the_parameter_dtype() {
 /// with the fused optimizer and through accumulation, as Burn's adaptor does.
 ///
 /// Only one device is exercised: Flex has one, and CubeCL 0.10's wgpu runtime cannot move a
-/// tensor between two devices (its peer `send`/`recv` are unimplemented), so the "parameter
-/// follows its gradient's device" path is the adaptor's code, untested across devices here.
+/// tensor between two devices (its peer `send`/`recv` are unimplemented: the move panics in
+/// the server's thread, and the reader gets zeros), so the "parameter follows its gradient's
+/// device" path, the check of each device's gradients on that device (`GradList`) and an
+/// accumulation sum kept on one device are untested across devices here.
 #[test]
 fn step_multi_sums_devices_and_steps() {
     let device = Default::default();
@@ -383,4 +386,82 @@ fn step_multi_sums_devices_and_steps() {
         vec![0.95; 4],
         "the mean of two windows of 0.5"
     );
+}
+
+/// Clipping f16 gradients by a large norm: the coefficient (here 1.7e-7) is applied in f32.
+/// Cast to f16 first it was a subnormal, 1.79e-7 (three of f16's smallest steps): every
+/// clipped gradient 7% too large; under 6e-8 it was 0 and clipping zeroed them all.
+#[test]
+fn clipping_f16_gradients_by_a_large_norm_keeps_their_values() {
+    type IB = Flex;
+    let device = Default::default();
+    let n = 10_000;
+    for (value, max_norm) in [(60_000.0f32, 1.0f32), (60_000.0, 0.1)] {
+        let g = Tensor::<IB, 1>::full([n], value, (&device, DType::F16));
+        let mut list = GradList::<IB>::from_entries(vec![burn_amp::grads::GradEntry {
+            id: ParamId::new(),
+            grad: g.into_primitive().tensor(),
+            param_dtype: DType::F16,
+        }]);
+        let norm = list.clip_by_global_norm(max_norm).unwrap();
+        let norm = norm.into_data().to_vec::<f32>().unwrap()[0];
+        let expected_norm = value * (n as f32).sqrt();
+        assert!(
+            (norm - expected_norm).abs() < 1e-3 * expected_norm,
+            "{norm}"
+        );
+        let clipped: Tensor<IB, 1> = Tensor::from_primitive(burn::tensor::TensorPrimitive::Float(
+            list.tensors()[0].clone(),
+        ));
+        assert_eq!(clipped.dtype(), DType::F16);
+        let clipped = clipped
+            .cast(DType::F32)
+            .into_data()
+            .to_vec::<f32>()
+            .unwrap();
+        let expected = max_norm / (n as f32).sqrt(); // each of n equal values
+        for v in clipped {
+            // f16 rounding of the result only (2^-11 relative).
+            assert!((v - expected).abs() <= expected * 1e-3, "{v} vs {expected}");
+        }
+    }
+}
+
+/// Accumulated f16 gradients of f32 parameters (a raw matmul's under `Autodiff<Amp<B>>`) are
+/// summed in f32 and stay f32 for the step. Cast back to f16 after the window, a `Sum` of eight
+/// micro-batches' 10,000 (80,000) was inf, and with no loss scaler to catch it the parameters
+/// went inf; a `Mean` was rounded to f16 (10,001 became 10,000).
+#[test]
+fn accumulated_f16_gradients_of_f32_parameters_are_not_narrowed_back() {
+    use burn::optim::SgdConfig;
+    use burn_amp::accumulate::{GradientAccumulationConfig, Reduction};
+    type IB = <B as AutodiffBackend>::InnerBackend;
+    let device = Default::default();
+    // 10,008 once and 10,000 seven times (f16 values: its spacing there is 8): the sum
+    // 80,008 is past f16's 65,504, the mean 10,001 between two f16 values.
+    for (reduction, expected) in [(Reduction::Sum, 80_008.0f32), (Reduction::Mean, 10_001.0)] {
+        let model = Two::<B>::new(0.0, DType::F32, &device);
+        let mut accum = GradientAccumulationConfig::new(8)
+            .with_reduction(reduction)
+            .init::<B, _>(SgdConfig::new().init::<B, Two<B>>())
+            .unwrap();
+        let mut model = model;
+        for i in 0..8 {
+            let mut grads = GradientsParams::new();
+            let v = if i == 0 { 10_008.0 } else { 10_000.0 };
+            for id in [model.a.id, model.b.id] {
+                let g = Tensor::<IB, 1>::full([4], v, (&device, DType::F16));
+                grads.register::<IB, 1>(id, g);
+            }
+            model = accum.step(1.0, model, grads);
+        }
+        let a = values(&model.a);
+        assert_eq!(model.a.val().dtype(), DType::F32);
+        assert!(a.iter().all(|v| v.is_finite()), "{reduction:?}: {a:?}");
+        assert_eq!(
+            a,
+            vec![-expected; 4],
+            "{reduction:?}: one SGD step of lr 1 on the f32 sum"
+        );
+    }
 }

@@ -4,9 +4,12 @@
 mod common;
 
 use burn::backend::{Autodiff, Flex};
+use burn::module::Param;
 use burn::module::{Module, ParamId};
-use burn::optim::{AdamConfig, GradientsParams, Optimizer};
+use burn::optim::grad_clipping::GradientClippingConfig;
+use burn::optim::{AdamConfig, GradientsParams, Optimizer, SgdConfig};
 use burn::prelude::*;
+use burn::tensor::DType;
 use burn::tensor::backend::AutodiffBackend;
 use burn_amp::optim::{FusedAdamW, FusedAdamWConfig, FusedSgdConfig, ScaledAdaptor};
 use burn_amp::scaler::{GradScaler, GradScalerConfig, GradScalerRecord, ScalerError, Stage};
@@ -28,7 +31,7 @@ fn small_config() -> TinyLmConfig {
 #[test]
 fn invalid_configs_are_named_errors() {
     let device = Default::default();
-    let cases: [(GradScalerConfig, &str); 6] = [
+    let cases: [(GradScalerConfig, &str); 7] = [
         (
             GradScalerConfig::new().with_growth_factor(1.0),
             "growth_factor",
@@ -52,6 +55,11 @@ fn invalid_configs_are_named_errors() {
         (
             GradScalerConfig::new().with_init_scale(f32::INFINITY),
             "init_scale",
+        ),
+        // Counted in f32 on the device: past 2^24, `n + 1 == n` and the scale never grows.
+        (
+            GradScalerConfig::new().with_growth_interval((1 << 24) + 1),
+            "growth_interval",
         ),
     ];
     for (config, field) in cases {
@@ -84,6 +92,112 @@ fn invalid_configs_are_named_errors() {
         msg.contains("backoff_factor") && msg.contains("(0, 1)"),
         "{msg}"
     );
+}
+
+/// One parameter stored in f16 (a model kept in half precision).
+#[derive(Module, Debug)]
+struct HalfParam<B: Backend> {
+    w: Param<Tensor<B, 1>>,
+}
+
+/// Under `Autodiff<Amp<B>>` an f16 parameter read by an f32 op (a norm's weight) gets an f32
+/// gradient, still multiplied by the loss scale. Cast to f16 before unscaling, a true gradient
+/// of 2 at the initial scale (131072) was inf: a skipped step and a halved scale for an
+/// overflow that unscaling removes. Each path unscales in f32 first: the scaler's step with a
+/// Burn optimizer, its `unscale` before one, and a fused optimizer that clips.
+#[test]
+fn an_f32_gradient_of_an_f16_parameter_is_unscaled_before_its_cast() {
+    let device: <B as burn::tensor::backend::BackendTypes>::Device = Default::default();
+    let scale = 65536.0f32;
+    let true_grad = [2.0f32, -3.0, 0.5];
+    let model = || HalfParam::<B> {
+        w: Param::from_tensor(Tensor::zeros([3], (&device, DType::F16))),
+    };
+    let scaled_grads = |m: &HalfParam<B>| {
+        let mut grads = GradientsParams::new();
+        let g = Tensor::<Inner, 1>::from_floats(true_grad.map(|v| v * scale), &device);
+        grads.register::<Inner, 1>(m.w.id, g);
+        grads
+    };
+    for path in ["step", "unscale, then step", "fused with clipping"] {
+        let mut scaler = GradScalerConfig::new()
+            .init::<B>(&device, Precision::F16)
+            .unwrap();
+        let (m, mut grads) = {
+            let m = model();
+            let g = scaled_grads(&m);
+            (m, g)
+        };
+        let m = match path {
+            "step" => {
+                let mut optim = SgdConfig::new().init::<B, HalfParam<B>>();
+                scaler.step(&mut optim, 1.0, m, grads).unwrap().0
+            }
+            "unscale, then step" => {
+                scaler.unscale(&m, &mut grads).unwrap();
+                let g = grads.get::<Inner, 1>(m.w.id).unwrap();
+                assert_eq!(
+                    g.dtype(),
+                    DType::F16,
+                    "unscaled, then in the parameter's dtype"
+                );
+                assert_eq!(
+                    g.cast(DType::F32).into_data().to_vec::<f32>().unwrap(),
+                    true_grad
+                );
+                let mut optim = SgdConfig::new().init::<B, HalfParam<B>>();
+                scaler.step(&mut optim, 1.0, m, grads).unwrap().0
+            }
+            _ => {
+                let mut optim = FusedSgdConfig::new()
+                    .with_grad_clipping(Some(GradientClippingConfig::Norm(1e6)))
+                    .init::<B, HalfParam<B>>()
+                    .unwrap();
+                scaler.step(&mut optim, 1.0, m, grads).unwrap().0
+            }
+        };
+        scaler.update().unwrap();
+        assert_eq!(
+            scaler.record().scale,
+            scale,
+            "{path}: no overflow, no back-off"
+        );
+        let w = m.w.val();
+        assert_eq!(w.dtype(), DType::F16, "{path}");
+        let w = w.cast(DType::F32).into_data().to_vec::<f32>().unwrap();
+        assert_eq!(w, true_grad.map(|g| -g), "{path}: one SGD step of lr 1");
+    }
+}
+
+/// A step that saw no gradient (the module all frozen, or not in this backward) is no
+/// evidence: the scale neither grows nor backs off (PyTorch refuses such a step).
+#[test]
+fn a_step_without_gradients_does_not_grow_the_scale() {
+    let device = Default::default();
+    let mut scaler = GradScalerConfig::new()
+        .with_growth_interval(1)
+        .init::<B>(&device, Precision::F16)
+        .unwrap();
+    let model = HalfParam::<B> {
+        w: Param::from_tensor(Tensor::zeros([3], &device)),
+    };
+    let mut optim = SgdConfig::new().init::<B, HalfParam<B>>();
+    let model = scaler
+        .step(&mut optim, 1.0, model, GradientsParams::new())
+        .unwrap()
+        .0;
+    scaler.update().unwrap();
+    assert_eq!(
+        scaler.record().scale,
+        65536.0,
+        "no gradient checked: the scale stays"
+    );
+    // One checked clean step grows it (growth_interval 1).
+    let mut grads = GradientsParams::new();
+    grads.register::<Inner, 1>(model.w.id, Tensor::ones([3], &device));
+    scaler.step(&mut optim, 1.0, model, grads).unwrap();
+    scaler.update().unwrap();
+    assert_eq!(scaler.record().scale, 131072.0);
 }
 
 /// The gradients of one fixed batch.

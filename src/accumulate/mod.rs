@@ -51,9 +51,17 @@
 //! # Saving
 //! [`Optimizer::to_record`] saves the partial sums, the position in the window, the loss scale
 //! a scaled window carries and the wrapped optimizer's record: a run stopped after any
-//! micro-step resumes bit for bit (with `FullPrecisionSettings`; a half-precision recorder
-//! rounds the partial sums). A resumed window checks the scaler's scale against the saved one
-//! (one host read) and refuses a mismatch ([`AccumulationError::WindowScaleMismatch`]).
+//! micro-step resumes bit for bit, whatever the recorder's precision settings (the partial
+//! sums are saved as they are: Burn's half-precision settings would round them to f16, where
+//! a scaled sum over 65504 is inf). A resumed window checks the scaler's scale against the
+//! saved one (one host read) and refuses a mismatch
+//! ([`AccumulationError::WindowScaleMismatch`]).
+//!
+//! # Epochs
+//! A window counts micro-batches, not epochs: with an epoch of `k · N + r` micro-batches its
+//! last `r` carry into the next epoch's first window (Lightning and Accelerate step on a
+//! partial window at the end of the dataloader instead). The last partial window of a run is
+//! not applied; [`discard_window`](GradientAccumulation::discard_window) says so explicitly.
 
 mod config;
 pub mod kernels;
@@ -76,6 +84,7 @@ pub use record::{AccumulatedGradRecord, GradientAccumulationRecord};
 pub use scheduler::WindowedLrScheduler;
 
 use crate::grads::{GradEntry, GradList, flat, primitive, tensor};
+use crate::record::ExactTensor;
 use crate::scaler::{ScaleSignals, ScaledStep, ScalerError, ScalerKernels, Stage, StepOutcome};
 use record::{dtype_code, dtype_from_code};
 
@@ -264,29 +273,34 @@ impl<O, B: AutodiffBackend> GradientAccumulation<O, B> {
                 );
                 b.acc
             });
-            let acc = add(previous, flat(grad), weight);
+            // Over several devices a parameter's gradient is summed on the first that has
+            // one (Burn's `MultiGradientsParams`), which can change from one micro-batch to
+            // the next (an expert no token on device 0 chose): the window's sum stays put.
+            let mut grad = flat(grad);
+            if let Some(acc) = &previous {
+                let device = acc.device();
+                if grad.device() != device {
+                    grad = grad.to_device(&device);
+                }
+            }
+            let acc = add(previous, grad, weight);
             self.buffers.insert(id, Buffer { acc, shape, dtype });
         }
     }
 
     /// Closes the window: the sums of `module`'s trainable parameters as a gradient list
-    /// (f32, each reshaped to its parameter), in visiting order, with each gradient's dtype.
-    /// Every other sum (a parameter frozen mid-window, or gone) is dropped.
-    fn take_window<M: AutodiffModule<B>>(
-        &mut self,
-        module: &M,
-    ) -> (GradList<Inner<B>>, HashMap<ParamId, FloatDType>) {
+    /// (f32, each reshaped to its parameter), in visiting order. Every other sum (a parameter
+    /// frozen mid-window, or gone) is dropped.
+    fn take_window<M: AutodiffModule<B>>(&mut self, module: &M) -> GradList<Inner<B>> {
         struct Visit<'a, B: Backend> {
             buffers: &'a mut HashMap<ParamId, Buffer<B>>,
             entries: Vec<GradEntry<B>>,
-            dtypes: HashMap<ParamId, FloatDType>,
         }
         impl<AB: AutodiffBackend> ModuleVisitor<AB> for Visit<'_, Inner<AB>> {
             fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<AB, D>>) {
                 if let Some(b) = self.buffers.remove(&param.id)
                     && param.is_require_grad()
                 {
-                    self.dtypes.insert(param.id, b.dtype);
                     self.entries.push(GradEntry {
                         id: param.id,
                         grad: Inner::<AB>::float_reshape(primitive(b.acc), b.shape),
@@ -298,16 +312,16 @@ impl<O, B: AutodiffBackend> GradientAccumulation<O, B> {
         let mut visit = Visit {
             buffers: &mut self.buffers,
             entries: Vec::new(),
-            dtypes: HashMap::new(),
         };
         module.visit(&mut visit);
-        let (entries, dtypes) = (visit.entries, visit.dtypes);
+        let entries = visit.entries;
         self.close_window();
-        (GradList::from_entries(entries), dtypes)
+        GradList::from_entries(entries)
     }
 
-    /// One unscaled micro-step; at the boundary the window's gradients (clipped, each in its
-    /// gradients' dtype), else `None`.
+    /// One unscaled micro-step; at the boundary the window's gradients (clipped; f32 sums,
+    /// f64 for an f64 parameter: not narrowed to a half gradient's dtype, where a sum of 8
+    /// micro-batches' 1e4 would be inf), else `None`.
     fn unscaled_micro_step<M: AutodiffModule<B>>(
         &mut self,
         module: &M,
@@ -323,28 +337,11 @@ impl<O, B: AutodiffBackend> GradientAccumulation<O, B> {
             self.micro_step += 1;
             return Ok(None);
         }
-        let (mut list, dtypes) = self.take_window(module);
+        let mut list = self.take_window(module).widened();
         if let Some(max_norm) = self.max_grad_norm {
             list.clip_by_global_norm(max_norm);
         }
-        let entries = list
-            .into_entries()
-            .into_iter()
-            .map(|e| {
-                let dtype = dtypes[&e.id];
-                let grad = tensor::<Inner<B>, 1>(e.grad);
-                let grad = if grad.dtype() == dtype.into() {
-                    grad
-                } else {
-                    grad.cast(dtype)
-                };
-                GradEntry {
-                    grad: primitive(grad),
-                    ..e
-                }
-            })
-            .collect();
-        Ok(Some(GradList::from_entries(entries)))
+        Ok(Some(list))
     }
 
     /// Like [`Optimizer::step`], with misuse reported as an error rather than a panic.
@@ -364,7 +361,8 @@ impl<O, B: AutodiffBackend> GradientAccumulation<O, B> {
         match self.unscaled_micro_step(&module, list, add)? {
             None => Ok(module),
             Some(list) => {
-                let grads = list.into_params::<B, M>(&module);
+                // A Burn optimizer wants each gradient in its parameter's dtype.
+                let grads = list.to_param_dtypes().into_params::<B, M>(&module);
                 Ok(self.inner.step(lr, module, grads))
             }
         }
@@ -422,7 +420,7 @@ impl<O, B: AutodiffBackend> GradientAccumulation<O, B> {
             .map(|(id, b)| {
                 let record = AccumulatedGradRecord {
                     shape: b.shape.to_vec(),
-                    acc: Tensor::from_inner(b.acc.clone()),
+                    acc: ExactTensor(Tensor::from_inner(b.acc.clone())),
                     dtype: dtype_code(b.dtype),
                 };
                 (*id, record)
@@ -481,7 +479,7 @@ impl<O, B: AutodiffBackend> GradientAccumulation<O, B> {
                 .into_iter()
                 .map(|(id, r)| {
                     let buffer = Buffer {
-                        acc: r.acc.inner(),
+                        acc: r.acc.into_tensor().inner(),
                         shape: Shape::from(r.shape),
                         dtype: dtype_from_code(r.dtype),
                     };
@@ -520,7 +518,7 @@ where
         match self.unscaled_micro_step(&module, list, add) {
             Ok(None) => module,
             Ok(Some(list)) => {
-                let grads = list.into_params::<B, M>(&module);
+                let grads = list.to_param_dtypes().into_params::<B, M>(&module);
                 self.inner.step(lr, module, grads)
             }
             Err(e) => panic!("{e}"),
@@ -570,7 +568,7 @@ where
             self.micro_step += 1;
             return Ok((module, StepOutcome::Accumulated));
         }
-        let (list, _) = self.take_window(&module);
+        let list = self.take_window(&module);
         let found = scale.found_inf.clone().unwrap_or_else(|| scale.zero());
         let (list, signals) = match (self.max_grad_norm, &scale.inv_scale) {
             // Clipping needs true values: unscale the f32 sums (and check) in one pass.

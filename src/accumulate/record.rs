@@ -9,13 +9,16 @@ use burn::prelude::*;
 use burn::record::Record;
 use burn_std::FloatDType;
 
+use crate::record::ExactTensor;
+
 /// One parameter's partial sum in a [`GradientAccumulationRecord`].
 #[derive(Record)]
 pub struct AccumulatedGradRecord<B: Backend> {
     /// The parameter's shape.
     pub shape: Vec<usize>,
-    /// The partial sum (f32), flattened.
-    pub acc: Tensor<B, 1>,
+    /// The partial sum (f32), flattened; saved as it is, whatever the recorder's precision
+    /// (a scaled window's sums overflow f16).
+    pub acc: ExactTensor<B, 1>,
     /// The gradients' dtype (0 f32, 1 f16, 2 bf16, 3 f64, 4 flex32).
     pub dtype: u8,
 }

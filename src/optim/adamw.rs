@@ -18,6 +18,7 @@ use super::{
     simple_optimizer,
 };
 use crate::grads::{primitive, tensor};
+use crate::record::ExactTensor;
 use burn_backend::tensor::FloatTensor;
 
 /// How [`FusedAdamW`] stores its two moments.
@@ -179,8 +180,9 @@ impl FusedAdamW {
 pub struct FusedAdamWState<B: Backend, const D: usize> {
     /// The two moments.
     pub moments: AdamWMomentState<B, D>,
-    /// Steps applied to this parameter, f32 `[1]` on the device.
-    pub step: Tensor<B, 1>,
+    /// Steps applied to this parameter, f32 `[1]` on the device (saved as it is, whatever the
+    /// recorder's precision: [`ExactTensor`]).
+    pub step: ExactTensor<B, 1>,
 }
 
 /// [`FusedAdamW`]'s moments of one parameter, as [`MomentStorage`] chose them when the state
@@ -266,7 +268,7 @@ impl<B: OptimKernels> ScaledSimpleOptimizer<B> for FusedAdamW {
         let numel = value.shape().num_elements();
         let param = primitive(value);
         let (moments, step) = match state {
-            Some(s) => (s.moments, as_f32(s.step)),
+            Some(s) => (s.moments, as_f32(s.step.into_tensor())),
             None => {
                 let step = tensor(fallback::zero_count::<B>(&param));
                 let moments = match self.config.moments.quantizes(numel) {
@@ -297,7 +299,7 @@ impl<B: OptimKernels> ScaledSimpleOptimizer<B> for FusedAdamW {
                         exp_avg: tensor(m.exp_avg),
                         exp_avg_sq: tensor(m.exp_avg_sq),
                     }),
-                    step: tensor(m.step),
+                    step: ExactTensor(tensor(m.step)),
                 };
                 (param, state)
             }
@@ -324,7 +326,7 @@ impl<B: OptimKernels> ScaledSimpleOptimizer<B> for FusedAdamW {
                         exp_avg: quantized(m.exp_avg_codes, m.exp_avg_absmax),
                         exp_avg_sq_sqrt: quantized(m.exp_avg_sq_codes, m.exp_avg_sq_absmax),
                     }),
-                    step: tensor(m.step),
+                    step: ExactTensor(tensor(m.step)),
                 };
                 (param, state)
             }
@@ -333,6 +335,6 @@ impl<B: OptimKernels> ScaledSimpleOptimizer<B> for FusedAdamW {
     }
 
     fn state_bytes<const D: usize>(state: &Self::State<D>) -> u64 {
-        state.moments.bytes() + bytes(&state.step)
+        state.moments.bytes() + bytes(&state.step.0)
     }
 }

@@ -254,9 +254,9 @@ where
             // Clipping must see unscaled gradients: unscale (and check) in one pass first.
             (Some(inv), found) if self.grad_clipping.is_some() => {
                 let found = found.clone().unwrap_or_else(|| scale.zero());
-                let (grads, found) = grads
-                    .to_param_dtypes()
-                    .unscale_and_check(inv.clone(), found);
+                // Widened, not cast to a half parameter's dtype: unscaled in f32, and the
+                // kernels read any gradient dtype.
+                let (grads, found) = grads.widened().unscale_and_check(inv.clone(), found);
                 (grads, found, None)
             }
             // Checked already: the kernels unscale.

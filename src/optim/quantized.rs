@@ -183,8 +183,8 @@ impl<B: Backend> Record<B> for QuantizedTensor<B> {
 
     fn from_item<S: PrecisionSettings>(item: Self::Item<S>, device: &B::Device) -> Self {
         Self {
-            codes: Tensor::from_data(item.codes, device),
-            absmax: Tensor::from_data(item.absmax, device),
+            codes: crate::record::exact_from_data(item.codes, device),
+            absmax: crate::record::exact_from_data(item.absmax, device),
             block: item.block,
             map: item.map,
         }

@@ -15,6 +15,7 @@ use super::{
     simple_optimizer,
 };
 use crate::grads::{primitive, tensor};
+use crate::record::ExactTensor;
 use burn_backend::tensor::FloatTensor;
 
 /// Configuration of [`FusedSgd`]. The defaults are PyTorch's `SGD` (Burn's `MomentumConfig`
@@ -115,8 +116,9 @@ pub struct FusedSgdState<B: Backend, const D: usize> {
     /// The momentum buffer, f32.
     pub velocity: Tensor<B, D>,
     /// Steps applied to this parameter, f32 `[1]` on the device (0: the next step sets the
-    /// velocity to the gradient).
-    pub step: Tensor<B, 1>,
+    /// velocity to the gradient; saved as it is, whatever the recorder's precision:
+    /// [`ExactTensor`]).
+    pub step: ExactTensor<B, 1>,
 }
 
 simple_optimizer!(FusedSgd, FusedSgdState { velocity, step });
@@ -134,7 +136,7 @@ impl<B: OptimKernels> ScaledSimpleOptimizer<B> for FusedSgd {
         let velocity = (self.config.momentum != 0.0).then(|| match state {
             Some(s) => Velocity {
                 velocity: primitive(as_f32(s.velocity)),
-                step: primitive(as_f32(s.step)),
+                step: primitive(as_f32(s.step.into_tensor())),
             },
             None => Velocity {
                 velocity: fallback::zeros_f32::<B>(&param),
@@ -151,12 +153,12 @@ impl<B: OptimKernels> ScaledSimpleOptimizer<B> for FusedSgd {
         );
         let state = velocity.map(|v| FusedSgdState {
             velocity: tensor(v.velocity),
-            step: tensor(v.step),
+            step: ExactTensor(tensor(v.step)),
         });
         (tensor(param), state)
     }
 
     fn state_bytes<const D: usize>(state: &Self::State<D>) -> u64 {
-        bytes(&state.velocity) + bytes(&state.step)
+        bytes(&state.velocity) + bytes(&state.step.0)
     }
 }

@@ -25,11 +25,13 @@ pub struct GradScalerConfig {
     /// Multiplier on an overflow; must be in (0, 1).
     #[config(default = 0.5)]
     pub backoff_factor: f32,
-    /// Clean steps in a row before the scale grows; must be ≥ 1.
+    /// Clean steps in a row before the scale grows; must be in 1..=2^24 (the count is an f32
+    /// on the device, exact up to 2^24).
     #[config(default = 2000)]
     pub growth_interval: u32,
-    /// Overflows tolerated before backing off (DeepSpeed's `hysteresis`); 1 backs off on
-    /// every overflow, as PyTorch does.
+    /// The overflow in a row that backs off (DeepSpeed's `hysteresis`): `h` tolerates `h - 1`
+    /// overflows and backs off on the `h`-th; 1 backs off on every overflow, as PyTorch does.
+    /// A skipped step is skipped whatever `h`.
     #[config(default = 1)]
     pub hysteresis: u32,
     /// The floor of the scale (DeepSpeed's `min_loss_scale`; see above).
@@ -83,11 +85,21 @@ impl GradScalerConfig {
                 "a number in (0, 1)",
             );
         }
-        if self.growth_interval == 0 {
-            return invalid("growth_interval", 0.0, "at least 1 step");
+        // Counted in f32 on the device: exact up to 2^24, where `n + 1 == n` would stop them.
+        const EXACT: u32 = 1 << 24;
+        if !(1..=EXACT).contains(&self.growth_interval) {
+            return invalid(
+                "growth_interval",
+                self.growth_interval as f64,
+                "1 to 2^24 steps (counted in f32 on the device)",
+            );
         }
-        if self.hysteresis == 0 {
-            return invalid("hysteresis", 0.0, "at least 1 overflow");
+        if !(1..=EXACT).contains(&self.hysteresis) {
+            return invalid(
+                "hysteresis",
+                self.hysteresis as f64,
+                "1 to 2^24 overflows (counted in f32 on the device)",
+            );
         }
         if !(self.min_scale > 0.0 && self.min_scale.is_finite()) {
             return invalid("min_scale", self.min_scale as f64, "a finite number > 0");

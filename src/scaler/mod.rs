@@ -310,7 +310,8 @@ where
 
     /// Divides the gradients of `module` by the scale and records whether any is inf/NaN.
     /// Optional: call it before clipping or reading gradients yourself; [`step`](Self::step)
-    /// does it otherwise. Each gradient is first cast to its parameter's dtype.
+    /// does it otherwise. Each gradient is unscaled in the wider of its dtype and its
+    /// parameter's, then cast to its parameter's.
     pub fn unscale<M: AutodiffModule<B>>(
         &mut self,
         module: &M,
@@ -324,9 +325,9 @@ where
         }
         let found_inf = if self.enabled {
             let inv_scale = self.scale_tensor().recip();
-            let list = GradList::take::<B, M>(module, grads).to_param_dtypes();
+            let list = GradList::take::<B, M>(module, grads).widened();
             let (list, found_inf) = list.unscale_and_check(inv_scale, self.zero());
-            list.put::<B, M>(module, grads);
+            list.to_param_dtypes().put::<B, M>(module, grads);
             Some(found_inf)
         } else {
             None
@@ -359,6 +360,7 @@ where
         let key = module_key::<B, M>(&module);
         let entry = self.entry(key);
         let (stage, checked) = (entry.stage, entry.found_inf.clone());
+        let unscaled_before = checked.is_some();
         if stage == Stage::Stepped {
             return Err(ScalerError::StepTwice);
         }
@@ -369,11 +371,15 @@ where
             generation: self.generation,
         });
         let list = GradList::take::<B, M>(&module, &mut grads);
+        // No gradient checked, no evidence: such a step neither grows nor backs off the scale
+        // (PyTorch refuses it: "No inf checks were recorded for this optimizer"; a module all
+        // frozen for a while is a plain case here).
+        let evidence = !list.is_empty() || unscaled_before;
         let (module, outcome) = optim.step_scaled(lr, module, list, signals.as_ref())?;
         let report = StepReport { outcome };
         let entry = self.entry(key);
         entry.stage = Stage::Stepped;
-        entry.found_inf = report.found_inf();
+        entry.found_inf = report.found_inf().filter(|_| evidence);
         Ok((module, report))
     }
 

@@ -107,8 +107,8 @@ where
     }
 }
 
-/// The host-checked step of a Burn optimizer: cast each gradient to its parameter's dtype,
-/// unscale and check in one pass, read `found_inf`, and step unless it is set.
+/// The host-checked step of a Burn optimizer: unscale and check in one pass, read
+/// `found_inf`, and step unless it is set, each gradient cast to its parameter's dtype.
 fn host_checked_step<M, B, O>(
     optim: &mut O,
     lr: LearningRate,
@@ -122,10 +122,11 @@ where
     B::InnerBackend: ScalerKernels,
     O: Optimizer<M, B>,
 {
-    // Cast first, so that f16 gradients of f32 parameters are unscaled in f32.
-    let grads = grads.to_param_dtypes();
+    // Widened first, so that f16 gradients of f32 parameters are unscaled in f32, and f32
+    // gradients of f16 parameters are cast to f16 once unscaled, not before.
+    let grads = grads.widened();
     let Some(scale) = scale else {
-        let grads = grads.into_params::<B, M>(&module);
+        let grads = grads.to_param_dtypes().into_params::<B, M>(&module);
         return (
             optim.step(lr, module, grads),
             StepOutcome::Stepped { found_inf: None },
@@ -148,7 +149,7 @@ where
     if skipped {
         return (module, outcome);
     }
-    let grads = grads.into_params::<B, M>(&module);
+    let grads = grads.to_param_dtypes().into_params::<B, M>(&module);
     (optim.step(lr, module, grads), outcome)
 }
 

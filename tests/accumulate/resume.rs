@@ -170,3 +170,64 @@ fn a_record_of_another_window_size_is_refused() {
         }
     ));
 }
+
+/// A scaled window's partial sums carry the loss scale (65536 here): through Burn's
+/// half-precision recorder (`CompactRecorder`'s) they would be saved as f16, rounded (and
+/// inf above 65504, the resumed window then skipped for an overflow it never had). They come
+/// back as saved: the run resumes bit for bit, the scale's trajectory too.
+#[test]
+fn a_scaled_window_resumes_exactly_through_a_half_precision_recorder() {
+    use burn::record::{BinBytesRecorder, HalfPrecisionSettings, Recorder};
+    under_f16(|| {
+        let device = Default::default();
+        let init = seeded_mlp::<A>(16, &device);
+        // Plain SGD: no state of its own, which the half-precision recorder would round.
+        let sgd = || GradientAccumulation::new(SgdConfig::new().init::<A, Mlp<A>>(), N).unwrap();
+        let run = |mut model: Mlp<A>,
+                   scaler: &mut GradScaler<A>,
+                   accum: &mut GradientAccumulation<_, A>,
+                   range: std::ops::Range<usize>| {
+            for k in range {
+                let grads = scaled_grads(&model, scaler, k / N, k % N, false);
+                model = scaler.step(accum, 1e-2, model, grads).unwrap().0;
+                scaler.update().unwrap();
+            }
+            model
+        };
+        let total = 2 * N;
+        let mut scaler_a = scaler(65536.0, 1000);
+        let mut accum = sgd();
+        let straight = run(init.clone(), &mut scaler_a, &mut accum, 0..total);
+        assert_eq!(
+            scaler_a.record().scale,
+            65536.0,
+            "no overflow in the straight run"
+        );
+
+        let stop = N + 3;
+        let mut scaler_b = scaler(65536.0, 1000);
+        let mut accum = sgd();
+        let half = run(init.clone(), &mut scaler_b, &mut accum, 0..stop);
+        let recorder = BinBytesRecorder::<HalfPrecisionSettings>::default();
+        let record = Optimizer::<Mlp<A>, A>::to_record(&accum);
+        let largest = record
+            .buffers
+            .values()
+            .flat_map(|b| b.acc.0.clone().into_data().to_vec::<f32>().unwrap())
+            .fold(0f32, |m, v| m.max(v.abs()));
+        eprintln!("largest partial sum saved: {largest}");
+        let accum_bytes = recorder.record(record, ()).unwrap();
+        let mut accum = Optimizer::<Mlp<A>, A>::load_record(
+            sgd(),
+            recorder.load(accum_bytes, &device).unwrap(),
+        );
+        assert_eq!(accum.micro_step(), stop % N);
+        let resumed = run(half, &mut scaler_b, &mut accum, stop..total);
+        assert_eq!(
+            bits(&resumed),
+            bits(&straight),
+            "resumed after micro-step {stop}"
+        );
+        assert_eq!(scaler_b.record(), scaler_a.record());
+    });
+}

@@ -10,9 +10,10 @@ use burn::record::{BinBytesRecorder, FullPrecisionSettings, HalfPrecisionSetting
 use burn::tensor::backend::AutodiffBackend;
 use burn_amp::memory::StepMemory;
 use burn_amp::optim::{
-    AdamWMomentState, FusedAdamW, FusedAdamWConfig, FusedAdamWState, MomentStorage, QuantMap,
-    ScaledAdaptor,
+    AdamWMomentState, F32Moments, FusedAdamW, FusedAdamWConfig, FusedAdamWState, FusedSgdState,
+    MomentStorage, QuantMap, ScaledAdaptor,
 };
+use burn_amp::record::ExactTensor;
 use burn_amp::scaler::GradScalerConfig;
 use burn_amp::{
     Amp, AmpOptimizer, Frozen, GradientAccumulation, MemorySaving, Precision, autocast,
@@ -68,7 +69,7 @@ fn state_raw<M: AutodiffModule<B>>(optim: &Adaptor<M>, module: &M) -> Vec<Vec<u8
             };
             let s: FusedAdamWState<<B as AutodiffBackend>::InnerBackend, D> =
                 r.clone().into_state();
-            self.out.push(raw(s.step));
+            self.out.push(raw(s.step.0));
             match s.moments {
                 AdamWMomentState::F32(m) => {
                     self.out.push(raw(m.exp_avg));
@@ -154,7 +155,7 @@ fn a_skipped_step_leaves_weights_moments_and_the_stream_untouched() {
             .into_state();
         assert!(matches!(state.moments, AdamWMomentState::F32(_)));
         assert_eq!(
-            state.step.into_data().to_vec::<f32>().unwrap(),
+            state.step.0.into_data().to_vec::<f32>().unwrap(),
             vec![5.0],
             "six steps, one skipped"
         );
@@ -234,6 +235,41 @@ fn a_record_resumes_bit_for_bit_through_a_half_precision_recorder() {
             "optimizer state bit for bit"
         );
     });
+}
+
+/// A step count is exact state: Burn's half-precision recorder would save it as f16, which
+/// holds integers exactly up to 2048 and none above 65504 (3001 came back 3000, and 70,001 as
+/// inf: the count stopped there, and with it the stochastic rounding's stream). The counts of
+/// both fused optimizers come back as saved, in f32, whatever the recorder.
+#[test]
+fn step_counts_come_back_exact_through_a_half_precision_recorder() {
+    type IB = <B as AutodiffBackend>::InnerBackend;
+    let device = Default::default();
+    let recorder = BinBytesRecorder::<HalfPrecisionSettings>::default();
+    for count in [3001.0f32, 70001.0] {
+        let count_tensor = || ExactTensor(Tensor::<IB, 1>::from_floats([count], &device));
+        let adamw = FusedAdamWState::<IB, 1> {
+            moments: AdamWMomentState::F32(F32Moments {
+                exp_avg: Tensor::zeros([4], &device),
+                exp_avg_sq: Tensor::zeros([4], &device),
+            }),
+            step: count_tensor(),
+        };
+        let sgd = FusedSgdState::<IB, 1> {
+            velocity: Tensor::zeros([4], &device),
+            step: count_tensor(),
+        };
+        let adamw: FusedAdamWState<IB, 1> = recorder
+            .load(recorder.record(adamw, ()).unwrap(), &device)
+            .unwrap();
+        let sgd: FusedSgdState<IB, 1> = recorder
+            .load(recorder.record(sgd, ()).unwrap(), &device)
+            .unwrap();
+        for (name, step) in [("adamw", adamw.step.0), ("sgd", sgd.step.0)] {
+            assert_eq!(step.dtype(), burn::tensor::DType::F32, "{name}");
+            assert_eq!(step.into_data().to_vec::<f32>().unwrap(), [count], "{name}");
+        }
+    }
 }
 
 /// A frozen layer and a trainable head.
