@@ -1,5 +1,7 @@
 //! AdamW as one [`OptimKernels::adamw_step`] per parameter.
 
+use std::borrow::Cow;
+
 use burn::config::Config;
 use burn::module::AutodiffModule;
 use burn::optim::grad_clipping::GradientClippingConfig;
@@ -88,8 +90,9 @@ pub struct FusedAdamWConfig {
     /// How an update is rounded into a bf16 or f16 parameter (f32 parameters are exact).
     #[config(default = "WeightRounding::Nearest")]
     pub weight_rounding: WeightRounding,
-    /// Seed of the stochastic rounding's streams: with the parameters' step counts (in the
-    /// record) it makes a resumed run replay bit for bit.
+    /// Seed of the stochastic rounding's streams, one per parameter (mixed with its place in
+    /// the module and its size): with the parameters' step counts (in the record) it makes a
+    /// resumed run replay bit for bit.
     #[config(default = 0)]
     pub seed: u64,
 }
@@ -336,5 +339,18 @@ impl<B: OptimKernels> ScaledSimpleOptimizer<B> for FusedAdamW {
 
     fn state_bytes<const D: usize>(state: &Self::State<D>) -> u64 {
         state.moments.bytes() + bytes(&state.step.0)
+    }
+
+    /// With stochastic rounding, each parameter its own stream: the seed alone (mixed with
+    /// the size) gave every parameter of one size (each layer's q, k, v and o projections)
+    /// the same random bits at each element, rounding them all up or down together.
+    fn for_parameter(&self, index: usize) -> Cow<'_, Self> {
+        if self.config.weight_rounding != WeightRounding::Stochastic {
+            return Cow::Borrowed(self);
+        }
+        let salt = (index as u64 + 1).wrapping_mul(0xD6E8_FEB8_6659_FD93);
+        let mut optim = self.clone();
+        optim.config.seed ^= salt.rotate_left(29);
+        Cow::Owned(optim)
     }
 }

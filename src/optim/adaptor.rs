@@ -122,6 +122,7 @@ where
                 base: scaling,
                 per_device: Vec::new(),
             },
+            visited: 0,
         })
     }
 }
@@ -160,6 +161,8 @@ where
     lr: LearningRate,
     clipping: Option<&'a GradientClipping>,
     signals: DeviceSignals<Inner<B>>,
+    /// Float parameters visited so far, with or without a gradient: each parameter's index.
+    visited: usize,
 }
 
 impl<O, B> ModuleMapper<B> for Mapper<'_, O, B>
@@ -169,6 +172,8 @@ where
 {
     fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
         let (id, value, mapper) = param.consume();
+        let index = self.visited;
+        self.visited += 1;
         let Some(grad) = self.grads.remove(&id) else {
             return Param::from_mapped_value(id, value, mapper);
         };
@@ -190,9 +195,13 @@ where
             .remove(&id)
             .map(|r| O::to_device(r.into_state::<D>(), &device));
         let scaling = self.signals.on(&device);
-        let (value, state) = self
-            .optim
-            .step_scaled(self.lr, value.inner(), grad, state, scaling);
+        let (value, state) = self.optim.for_parameter(index).step_scaled(
+            self.lr,
+            value.inner(),
+            grad,
+            state,
+            scaling,
+        );
         if let Some(state) = state {
             self.records.insert(id, AdaptorRecord::from_state(state));
         }

@@ -24,6 +24,8 @@ pub mod quantized;
 pub mod rounding;
 mod sgd;
 
+use std::borrow::Cow;
+
 use burn::optim::LearningRate;
 use burn::optim::SimpleOptimizer;
 use burn::prelude::*;
@@ -57,6 +59,17 @@ pub trait ScaledSimpleOptimizer<B: Backend>: SimpleOptimizer<B> {
 
     /// Bytes held by one parameter's state.
     fn state_bytes<const D: usize>(state: &Self::State<D>) -> u64;
+
+    /// The optimizer for the module's `index`-th float parameter (in visiting order, which a
+    /// resumed run and another run of the same model share): where it draws random bits per
+    /// parameter, their stream. [`ScaledAdaptor`] asks before each parameter's step.
+    fn for_parameter(&self, index: usize) -> Cow<'_, Self>
+    where
+        Self: Clone,
+    {
+        let _ = index;
+        Cow::Borrowed(self)
+    }
 }
 
 /// A fused optimizer's configuration that cannot run.

@@ -3,7 +3,8 @@
 //! AdamW step of `lr = 0.3` spacings (the first AdamW step moves every value by `lr`). Rounded
 //! to nearest, every copy stays at 1.0 (the update is lost). Stochastically, 30% of them move
 //! down one spacing: the mean is `1 - lr` within 5 standard deviations of the binomial, and
-//! ten such steps track the f32 trajectory. Same seed: same bits; another seed: other bits.
+//! ten such steps track the f32 trajectory. Same seed: same bits; another seed: other bits;
+//! two parameters of one size: streams of their own.
 
 use burn::backend::{Flex, Wgpu};
 use burn::prelude::*;
@@ -198,5 +199,85 @@ fn stochastic_rounding_is_unbiased_on_flex_f16() {
 fn stochastic_rounding_is_unbiased_on_wgpu_f16() {
     if let Some(device) = common::wgpu_device() {
         common::big_stack(move || check::<Wgpu>(&device, FloatDType::F16));
+    }
+}
+
+/// Two parameters of one size (two layers' projections) in one module.
+#[derive(burn::module::Module, Debug)]
+struct Pair<B: Backend> {
+    a: burn::module::Param<Tensor<B, 1>>,
+    b: burn::module::Param<Tensor<B, 1>>,
+}
+
+/// Parameters of one size get random streams of their own: one AdamW step of 0.3 spacings
+/// from the same bf16 values with the same gradient rounds each down for 30% of its elements,
+/// and the two apart about as often as two independent roundings would (2 · 0.3 · 0.7 =
+/// 42%). With the seed mixed with the size alone they got the same bits: rounded alike at
+/// every element, their rounding errors added up instead of averaging out.
+#[test]
+fn parameters_of_one_size_round_independently() {
+    use burn::backend::Autodiff;
+    use burn::optim::{GradientsParams, Optimizer};
+    type B = burn_amp::Amp<Autodiff<Flex>>;
+    type IB = <B as burn::tensor::backend::AutodiffBackend>::InnerBackend;
+    let device = Default::default();
+    let p = || {
+        burn::module::Param::from_tensor(Tensor::ones([N], (&device, burn::tensor::DType::BF16)))
+    };
+    let model = Pair::<B> { a: p(), b: p() };
+    let mut optim = FusedAdamWConfig::new()
+        .with_weight_decay(0.0)
+        .with_weight_rounding(WeightRounding::Stochastic)
+        .init::<B, Pair<B>>()
+        .unwrap();
+    let mut grads = GradientsParams::new();
+    for id in [model.a.id, model.b.id] {
+        grads.register::<IB, 1>(id, Tensor::ones([N], &device));
+    }
+    let lr = 0.3 * spacing_below_one(FloatDType::BF16);
+    let model = optim.step(lr as f64, model, grads);
+    let (a, b) = (crate::values(model.a.val()), crate::values(model.b.val()));
+    let share = |n: usize| n as f64 / N as f64;
+    for (name, v) in [("a", &a), ("b", &b)] {
+        let down = share(v.iter().filter(|&&x| x < 1.0).count());
+        // 5 standard deviations of the binomial: 0.009.
+        assert!((down - 0.3).abs() < 0.01, "{name}: {down} rounded down");
+    }
+    let apart = share(a.iter().zip(&b).filter(|(x, y)| x != y).count());
+    assert!((apart - 0.42).abs() < 0.01, "rounded apart: {apart}");
+}
+
+/// An f16 parameter stepped past f16's range is inf with stochastic rounding as with
+/// rounding to nearest (and as the kernels give): the burn-op fallback made it NaN (`0 · inf`
+/// from the format's binade, which overflows there), a different failure from the kernels'.
+#[test]
+fn an_f16_parameter_stepped_past_its_range_is_inf_not_nan() {
+    use burn::backend::Autodiff;
+    use burn::optim::{GradientsParams, Optimizer};
+    type B = burn_amp::Amp<Autodiff<Flex>>;
+    type IB = <B as burn::tensor::backend::AutodiffBackend>::InnerBackend;
+    let device = Default::default();
+    for rounding in [WeightRounding::Nearest, WeightRounding::Stochastic] {
+        let p = || {
+            burn::module::Param::from_tensor(Tensor::full(
+                [4],
+                60_000.0,
+                (&device, burn::tensor::DType::F16),
+            ))
+        };
+        let model = Pair::<B> { a: p(), b: p() };
+        let mut optim = FusedAdamWConfig::new()
+            .with_weight_decay(0.0)
+            .with_weight_rounding(rounding)
+            .init::<B, Pair<B>>()
+            .unwrap();
+        let mut grads = GradientsParams::new();
+        for id in [model.a.id, model.b.id] {
+            grads.register::<IB, 1>(id, Tensor::full([4], -1.0, &device));
+        }
+        // AdamW's first step moves by lr: 60,000 + 10,000 is past 65,504.
+        let model = optim.step(10_000.0, model, grads);
+        let a = crate::values(model.a.val());
+        assert!(a.iter().all(|v| *v == f32::INFINITY), "{rounding:?}: {a:?}");
     }
 }
