@@ -96,7 +96,8 @@ policy_table! {
         relu, leaky_relu, gelu,
         // saturates to exactly 0 and 1 (x <= -3, x >= 3) in f32 too
         hard_sigmoid,
-        // scalar operands
+        // scalar operands (kept in f32 where the half dtype cannot hold them:
+        // `workarounds::scalars`)
         float_add_scalar, float_sub_scalar, float_mul_scalar, float_div_scalar,
         float_remainder_scalar, float_clamp, float_clamp_min, float_clamp_max, float_mask_fill,
         float_equal_elem, float_not_equal_elem, float_greater_elem, float_greater_equal_elem,

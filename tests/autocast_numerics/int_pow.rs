@@ -66,6 +66,30 @@ fn int_powers_are_exact_on_wgpu() {
     }
 }
 
+/// i64 powers past 2^33, element by element: exact (an exponent past 33 counted as 32 or 33,
+/// right for i32 only, made 2^40 into 2^32).
+#[test]
+fn i64_powers_past_2_to_the_33_are_exact_on_flex() {
+    let device = Default::default();
+    let (base, exponent) = ([2i64, 3, -2, 7, -1, 2], [40i64, 35, 41, 20, 71, 62]);
+    type A = Amp<burn::backend::Flex>;
+    let i64s = |v: &[i64]| {
+        Tensor::<A, 1, Int>::from_data(
+            TensorData::new(v.to_vec(), [v.len()]),
+            (&device, DType::I64),
+        )
+    };
+    let lhs = i64s(&base);
+    assert_eq!(lhs.dtype(), DType::I64);
+    let got = read(lhs.powi(i64s(&exponent)));
+    let want: Vec<i64> = base
+        .iter()
+        .zip(&exponent)
+        .map(|(b, e)| b.pow(*e as u32))
+        .collect();
+    assert_eq!(got, want);
+}
+
 /// Plain `X`'s 5³ (the GPU check reports CUDA's).
 pub(crate) fn plain_five_cubed<X: Backend>(device: &X::Device) -> i64 {
     read(ints::<X>(&[5], device).powi_scalar(3))[0]

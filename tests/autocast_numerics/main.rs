@@ -62,6 +62,7 @@ mod random_graphs;
 mod random_pools;
 mod recompute;
 mod repeat;
+mod scalars;
 mod shared_casts;
 mod spectral;
 mod support;

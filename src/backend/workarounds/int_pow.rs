@@ -3,13 +3,15 @@
 //! CubeCL's float `pow` lands just below a whole power, so the truncation loses one: on wgpu
 //! 5³ = 124, 3⁷ = 2186, 5⁵ = 3124 (their negatives too), where Flex's is exact. `Amp`
 //! multiplies instead, by squaring, as PyTorch's integer `pow` does: exact wherever the
-//! result fits the int type (past it, ints wrap, as PyTorch's do).
+//! result fits the int type (past it, a scalar power wraps as PyTorch's does; an elementwise
+//! power past the type's width counts its exponent as the width or one more, which is
+//! exact for -1, 0 and 1 and an overflow, not PyTorch's wrapped value, for other bases).
 //!
 //! A negative exponent (an error in PyTorch) keeps Burn's meaning, the float power truncated:
 //! ±1 for a base of ±1, else 0 (for a base of 0 too, where Burn's float is infinite).
 
 use burn_backend::tensor::{BoolTensor, IntTensor};
-use burn_backend::{Backend, Scalar, TensorMetadata, get_device_settings};
+use burn_backend::{Backend, DType, Scalar, TensorMetadata, get_device_settings};
 
 /// `lhs` to the power `rhs`, a scalar.
 pub(crate) fn int_powi_scalar<B: Backend>(lhs: IntTensor<B>, rhs: Scalar) -> IntTensor<B> {
@@ -41,23 +43,39 @@ pub(crate) fn int_powi<B: Backend>(lhs: IntTensor<B>, rhs: IntTensor<B>) -> IntT
     let bools = get_device_settings::<B>(&B::int_device(&lhs)).bool_dtype;
     let negative = B::int_lower_elem(rhs.clone(), Scalar::Int(0), bools);
     let exponent = B::int_abs(rhs);
-    // Past 32, any base but -1, 0, 1 overflows (i32: wraps; i64 past 63): an exponent of 32
-    // or 33, of the same parity, gives those three their powers with 6 bits to walk.
-    let large = B::int_greater_elem(exponent.clone(), Scalar::Int(33), bools);
-    let parity = B::int_remainder_scalar(exponent.clone(), Scalar::Int(2));
-    let exponent = B::int_mask_where(exponent, large, B::int_add_scalar(parity, Scalar::Int(32)));
     let (shape, device, dtype) = (lhs.shape(), B::int_device(&lhs), lhs.dtype());
-    let mut power = B::int_ones(shape, &device, dtype.into());
+    // Past the int type's width, any base but -1, 0, 1 overflows: an exponent of the width or
+    // one more, of the same parity, gives those three their powers with few bits to walk
+    // (i32: 32 or 33, 6 bits; i64: 64 or 65, 7 bits: 2^40 is exact there).
+    let width: i64 = if matches!(dtype, DType::I64 | DType::U64) {
+        64
+    } else {
+        32
+    };
+    let bits = if width == 64 { 7 } else { 6 };
+    let large = B::int_greater_elem(exponent.clone(), Scalar::Int(width + 1), bools);
+    let parity = B::int_remainder_scalar(exponent.clone(), Scalar::Int(2));
+    let exponent = B::int_mask_where(
+        exponent,
+        large,
+        B::int_add_scalar(parity, Scalar::Int(width)),
+    );
+    let ones = || B::int_ones(shape.clone(), &device, dtype.into());
+    let mut power = ones();
     let (mut base, mut rest) = (lhs.clone(), exponent);
-    for bit in 0..6 {
+    // Each product is one the result needs (a factor of 1 elsewhere), so none passes the
+    // result where it fits: no wrap, and no overflow check tripped in a debug build.
+    for bit in 0..bits {
         let odd: BoolTensor<B> = B::int_equal_elem(
             B::int_remainder_scalar(rest.clone(), Scalar::Int(2)),
             Scalar::Int(1),
             bools,
         );
-        power = B::int_mask_where(power.clone(), odd, B::int_mul(power, base.clone()));
-        if bit < 5 {
+        power = B::int_mul(power, B::int_mask_where(ones(), odd, base.clone()));
+        if bit + 1 < bits {
             rest = B::int_div_scalar(rest, Scalar::Int(2));
+            let done = B::int_equal_elem(rest.clone(), Scalar::Int(0), bools);
+            base = B::int_mask_fill(base, done, Scalar::Int(1));
             base = B::int_mul(base.clone(), base);
         }
     }

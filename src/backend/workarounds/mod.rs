@@ -81,6 +81,10 @@
 //! step (`gelu`'s negative tail thousands of f16 steps off): `Amp` computes them in f32 and
 //! rounds once, as PyTorch's half kernels do ([`opmath`]).
 //!
+//! **A half tensor's scalar operand is rounded to its dtype first** (`x / 1,048,576` is 0 in
+//! f16): `Amp` computes the op in f32 where the dtype cannot hold the scalar, and fills a
+//! mask past the dtype's range with its largest finite value ([`scalars`]).
+//!
 //! **wgpu's convolutions and Flex's f16 matmul sum in half precision** ([`half_sums`]), where
 //! AMP promises f32 sums of half products: `Amp` runs them on the half values widened to f32
 //! and rounds the result.
@@ -102,6 +106,7 @@ mod opmath;
 mod pooling;
 mod products;
 mod repeat;
+mod scalars;
 
 pub(crate) use deform_conv::deform_conv2d_backward;
 pub(crate) use empty::{
@@ -148,6 +153,10 @@ pub(crate) use nan::{
 pub(crate) use opmath::{float_asinh, float_tanh, gelu, gelu_backward};
 pub(crate) use pooling::{avg_pool1d, avg_pool2d_backward};
 pub(crate) use products::float_cumprod;
+pub(crate) use scalars::{
+    float_add_scalar, float_div_scalar, float_mask_fill, float_mul_scalar, float_remainder_scalar,
+    float_sub_scalar,
+};
 
 use core::any::TypeId;
 
