@@ -337,25 +337,23 @@ impl<B: ScalerKernels> GradList<B> {
     pub fn check_finite(&self, found_inf: Tensor<B, 1>) -> Tensor<B, 1> {
         let home = found_inf.device();
         let groups = by_device::<B>(&self.entries, &home);
-        let mut found = found_inf;
-        for (device, indices) in groups {
+        if let [(device, _)] = groups.as_slice()
+            && *device == home
+        {
+            return tensor(B::check_finite(self.tensors(), primitive(found_inf)));
+        }
+        gather_flags::<B>(found_inf, &groups, |device, indices| {
             let tensors = indices
                 .iter()
                 .map(|&i| self.entries[i].grad.clone())
                 .collect();
-            if device == home {
-                found = tensor(B::check_finite(tensors, primitive(found)));
-            } else {
-                let zero = f32_scalar::<B>(0.0, &device);
-                let there: Tensor<B, 1> = tensor(B::check_finite(tensors, primitive(zero)));
-                found = found.max_pair(there.to_device(&home));
-            }
-        }
-        found
+            B::check_finite(tensors, primitive(f32_scalar::<B>(0.0, device)))
+        })
     }
 
     /// Multiplies every gradient by `inv_scale` and raises `found_inf` on inf or NaN, in one
-    /// pass ([`ScalerKernels::unscale_and_check`]).
+    /// pass ([`ScalerKernels::unscale_and_check`]), on each gradient's device as
+    /// [`check_finite`](Self::check_finite).
     pub fn unscale_and_check(
         self,
         inv_scale: Tensor<B, 1>,
@@ -363,30 +361,43 @@ impl<B: ScalerKernels> GradList<B> {
     ) -> (Self, Tensor<B, 1>) {
         let home = found_inf.device();
         let groups = by_device::<B>(&self.entries, &home);
-        if groups.len() == 1 && groups[0].0 == home {
-            // By value: the kernel unscales in place where nothing else holds a gradient.
-            let (tensors, rest) = self.split();
+        // By value: the kernel unscales in place where nothing else holds a gradient.
+        let (tensors, rest) = self.split();
+        if let [(device, _)] = groups.as_slice()
+            && *device == home
+        {
             let (tensors, found) =
                 B::unscale_and_check(tensors, primitive(inv_scale), primitive(found_inf));
             return (Self::rejoin(tensors, rest), tensor(found));
         }
-        // On several devices: each device's gradients with the scale and a flag there.
-        let (tensors, rest) = self.split();
         let mut slots: Vec<Option<FloatTensor<B>>> = tensors.into_iter().map(Some).collect();
-        let mut found = found_inf;
-        for (device, indices) in groups {
+        let found = gather_flags::<B>(found_inf, &groups, |device, indices| {
             let group = indices.iter().map(|&i| slots[i].take().unwrap()).collect();
-            let inv = inv_scale.clone().to_device(&device);
-            let flag = f32_scalar::<B>(0.0, &device);
-            let (group, there) = B::unscale_and_check(group, primitive(inv), primitive(flag));
-            for (i, g) in indices.into_iter().zip(group) {
+            let inv = primitive(inv_scale.clone().to_device(device));
+            let zero = primitive(f32_scalar::<B>(0.0, device));
+            let (group, there) = B::unscale_and_check(group, inv, zero);
+            for (&i, g) in indices.iter().zip(group) {
                 slots[i] = Some(g);
             }
-            found = found.max_pair(tensor::<B, 1>(there).to_device(&home));
-        }
+            there
+        });
         let tensors = slots.into_iter().map(|g| g.unwrap()).collect();
         (Self::rejoin(tensors, rest), found)
     }
+}
+
+/// `found` raised by each device's flag: `check` runs on a device's gradients (by index) with
+/// a flag of its own there, which is gathered on `found`'s device.
+fn gather_flags<B: Backend>(
+    found: Tensor<B, 1>,
+    groups: &[(B::Device, Vec<usize>)],
+    mut check: impl FnMut(&B::Device, &[usize]) -> FloatTensor<B>,
+) -> Tensor<B, 1> {
+    let home = found.device();
+    groups.iter().fold(found, |found, (device, indices)| {
+        let there: Tensor<B, 1> = tensor(check(device, indices));
+        found.max_pair(there.to_device(&home))
+    })
 }
 
 /// The entries' indices by device, in order of first appearance; `home` first if it holds any.
@@ -419,9 +430,8 @@ fn wider(a: DType, b: DType) -> DType {
     };
     match width(a).cmp(&width(b)) {
         std::cmp::Ordering::Greater => a,
-        std::cmp::Ordering::Less if b.is_float() => b,
-        std::cmp::Ordering::Less => a,
-        std::cmp::Ordering::Equal if a == b || !b.is_float() => a,
+        std::cmp::Ordering::Less => b,
+        std::cmp::Ordering::Equal if a == b => a,
         std::cmp::Ordering::Equal => DType::F32,
     }
 }

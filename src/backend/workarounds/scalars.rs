@@ -23,7 +23,7 @@ use burn_backend::{Backend, DType, Scalar, TensorMetadata};
 use half::{bf16, f16};
 
 /// Whether `s` is a value of `dtype` (every scalar is, for a dtype that is not half).
-pub(crate) fn exact_in(s: Scalar, dtype: DType) -> bool {
+fn exact_in(s: Scalar, dtype: DType) -> bool {
     let v = match s {
         Scalar::Float(v) => v,
         Scalar::Int(v) => v as f64,
