@@ -139,6 +139,44 @@ if [[ "$backend" == cuda && -f .gpu/kernel-cache.tar.xz ]]; then
     fi
 fi
 
+# gpu_check with $1 as its JSON lines and its stderr in $out/$2.stderr, for $3 seconds in all,
+# with the flags after those. When a case ended the device's stream (a kernel that failed to
+# compile or launch: CubeCL keeps the error, every later read fails) gpu_check exits with 3
+# after a device_lost line saying where to go on; a new process, with a new device, resumes
+# there while time is left (examples/gpu_check/device_lost.rs). Each process writes its own
+# file, appended to $1. With GPU_CHECK_NUMERICS set, each is given the seconds left, less a
+# minute (a case may run past the budget: it checks the time before it starts). Returns the
+# last process's status.
+run_gpu_check() {
+    local jsonl=$1 name=$2 seconds=$3; shift 3
+    local until=$(($(date +%s) + seconds)) part=0 status left resume=() budget=()
+    : > "$jsonl"
+    : > "$out/$name.stderr"
+    while :; do
+        left=$((until - $(date +%s)))
+        [[ -n "${GPU_CHECK_NUMERICS:-}" ]] && budget=(--numerics-seconds $((left - 60)))
+        log "gpu_check --backend $backend $* ${budget[*]} ${resume[*]}"
+        timeout "$left" "$work/gpu_check" --backend "$backend" --out "$jsonl.$part" "$@" \
+            "${budget[@]}" "${resume[@]}" > /dev/null 2> >(tee -a "$out/$name.stderr" >&2)
+        status=$?
+        cat "$jsonl.$part" >> "$jsonl" 2>/dev/null
+        rm -f "$jsonl.$part"
+        log "gpu_check exited with $status"
+        (( status == 3 )) || return "$status"
+        local next
+        next=$(grep -E '"kind": ?"device_lost"' "$jsonl" | tail -1 |
+            sed -En 's/.*"resume": ?"([^"]*)".*/\1/p')
+        left=$((until - $(date +%s)))
+        if [[ -z "$next" ]] || (( left < 80 )); then
+            log "the device's stream ended; not resumed (${left} s left, resume at '${next}')"
+            return "$status"
+        fi
+        log "the device's stream ended; a new process resumes at $next"
+        resume=(--resume "$next")
+        part=$((part + 1))
+    done
+}
+
 # 3. burn-amp: correctness, then speed (skipped by gpu_check itself if a case failed). Without
 # what CUDA needs it is not started (it would only panic in a CubeCL thread); PyTorch still runs.
 if [[ -n "${missing:-}" ]]; then
@@ -147,12 +185,9 @@ if [[ -n "${missing:-}" ]]; then
         "${missing//\"/\'}" > "$out/gpu_check.jsonl"
     burn_status=2
 else
-    log "gpu_check --backend $backend ${GPU_CHECK_ARGS:-}"
     # shellcheck disable=SC2086
-    timeout "${GPU_CHECK_TIMEOUT:-330}" "$work/gpu_check" --backend "$backend" \
-        --out "$out/gpu_check.jsonl" ${GPU_CHECK_ARGS:-} > /dev/null 2> >(tee "$out/gpu_check.stderr" >&2)
+    run_gpu_check "$out/gpu_check.jsonl" gpu_check "${GPU_CHECK_TIMEOUT:-330}" ${GPU_CHECK_ARGS:-}
     burn_status=$?
-    log "gpu_check exited with $burn_status"
     # A run that did not end by itself: say so in its JSON, so that the table shows it.
     why=""
     (( burn_status == 124 )) && why="ran past its ${GPU_CHECK_TIMEOUT:-330} s limit (GPU_CHECK_TIMEOUT) and was stopped; the lines before this one are what it finished"
@@ -189,14 +224,11 @@ elif (( left < 20 )); then
     printf '{"kind": "skipped", "impl": "burn-amp", "what": "numerics part", "why": "%s s left of the check'"'"'s %s s (GPU_CHECK_TOTAL)"}\n' \
         "$left" "$total" > "$out/numerics.jsonl"
 else
-    log "gpu_check --only numerics --numerics-seconds $left ${GPU_CHECK_ARGS:-}"
     # A case may run past the budget (it checks the time before it starts): 60 s more.
     # shellcheck disable=SC2086
-    timeout $((left + 60)) "$work/gpu_check" --backend "$backend" --only numerics \
-        --numerics-seconds "$left" --out "$out/numerics.jsonl" ${GPU_CHECK_ARGS:-} \
-        > /dev/null 2> >(tee "$out/numerics.stderr" >&2)
+    GPU_CHECK_NUMERICS=1 run_gpu_check "$out/numerics.jsonl" numerics $((left + 60)) \
+        --only numerics ${GPU_CHECK_ARGS:-}
     numerics_status=$?
-    log "gpu_check --only numerics exited with $numerics_status"
     if (( numerics_status == 124 || numerics_status > 128 )); then
         printf '{"kind": "error", "impl": "burn-amp", "what": "numerics process", "error": "gpu_check --only numerics was stopped (status %s, see numerics.stderr); the lines before this one are what it finished"}\n' \
             "$numerics_status" >> "$out/numerics.jsonl"

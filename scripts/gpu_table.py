@@ -270,6 +270,24 @@ def report(burn, torch):
         for r in infos:
             lines.append(f"- {r.get('case') or DASH}: {short(r.get('detail') or r.get('error') or DASH)}")
 
+    # A lost device: a case ended the device's stream (a kernel that failed to compile or
+    # launch), gpu_check stopped, and gpu-check.sh started a new process where it left off (an
+    # env line with that `resume`). One that was not resumed left the rest of its part unrun.
+    lost = []
+    for i, r in enumerate(burn):
+        if r.get("kind") == "device_lost":
+            resumed = any(e.get("kind") == "env" and e.get("resume") == r.get("resume")
+                          for e in burn[i + 1:])
+            lost.append((r, resumed))
+    if lost:
+        lines += ["", "## Device lost (a case ended the device's stream)", ""]
+        for r, resumed in lost:
+            what = f"a new process went on at {r.get('resume')}" if resumed else \
+                f"**not resumed** (no time left?): what comes after {r.get('resume')} did not run"
+            simulated = " (simulated: --simulate-device-lost-at)" if r.get("simulated") else ""
+            lines.append(f"- after {r.get('after') or DASH}{simulated}: {what}")
+    not_resumed = sum(not resumed for _, resumed in lost)
+
     # Errors / skipped, from both files
     problems = [("burn-amp", r) for r in burn if r.get("kind") in ("error", "skipped")]
     problems += [("PyTorch", r) for r in torch if r.get("kind") in ("error", "skipped")]
@@ -281,7 +299,7 @@ def report(burn, torch):
             where = f": {where}" if where else ""
             lines.append(f"- {who} {r['kind']}{where}: {short(text or '(no message)')}")
 
-    code = 1 if failed or not burn_ok else 0
+    code = 1 if failed or not burn_ok or not_resumed else 0
     summary = {
         "kind": "summary", "device": env.get("device"), "burn_reported": burn_ok,
         "torch_found": torch_found, "correctness_passed": len(cases) - len(failed),
@@ -291,7 +309,8 @@ def report(burn, torch):
                        "of_reference": rounded(ratio(r.get("gb_per_s"), r.get("reference_gb_per_s")))}
                       for r in bands],
         "errors": sum(r.get("kind") == "error" for _, r in problems),
-        "skipped": sum(r.get("kind") == "skipped" for _, r in problems), "exit_code": code,
+        "skipped": sum(r.get("kind") == "skipped" for _, r in problems),
+        "device_lost": len(lost), "device_lost_not_resumed": not_resumed, "exit_code": code,
     }
     return "\n".join(lines) + "\n", summary, code
 
@@ -362,6 +381,19 @@ def selftest(bless=False):
     if len(passing) == len(burn_lines):
         problems.append("the canned input has no failed correctness case")
     case(passing, 0, None)
+
+    # A lost device that no process resumed fails the check, even with every case passing.
+    def is_resumption(line):
+        try:
+            r = json.loads(line)
+        except ValueError:
+            return False
+        return isinstance(r, dict) and r.get("kind") == "env" and r.get("resume")
+
+    unresumed = [line for line in passing if not is_resumption(line)]
+    if len(unresumed) == len(passing):
+        problems.append("the canned input has no resumed process")
+    case(unresumed, 1, None)
 
     if problems:
         print("\n".join(problems))

@@ -20,7 +20,10 @@
 //! f16 and bf16 on this backend, the Burn 0.21 defects `Amp` works around, and random graphs
 //! while time is left.
 //!
-//! Every result is one JSON line on stdout (and in `--out`), log text on stderr.
+//! Every result is one JSON line on stdout (and in `--out`), log text on stderr. A case that
+//! ends the device's stream (a kernel that fails to compile or launch) stops the process with
+//! status 3 and a `device_lost` line; `gpu-check.sh` starts it again after that case
+//! (`--resume`, `device_lost.rs`).
 //!
 //! ```text
 //! scripts/gpu-build.sh                 # here: release build with CUDA, packed into .gpu/
@@ -32,6 +35,7 @@
 #[allow(unused_imports)]
 mod common;
 mod correctness;
+mod device_lost;
 #[allow(dead_code, unused_imports, clippy::all)]
 mod kernel_cases;
 // `cargo test --all-targets` builds this example as a test harness too, where the included
@@ -54,6 +58,7 @@ use burn_cubecl::CubeBackend;
 use clap::{Parser, ValueEnum};
 use serde_json::json;
 
+use device_lost::{DEVICE_LOST, DeviceLost, Resume, Steps};
 use report::Report;
 
 #[derive(Parser, Debug)]
@@ -95,6 +100,14 @@ struct Args {
     /// most of its kernel compilation. Autotune results are not kept here.
     #[arg(long)]
     kernel_cache: Option<PathBuf>,
+    /// Go on where a process stopped on a lost device: `speed`, or `numerics:<step>` (its
+    /// `device_lost` line's `resume`; gpu-check.sh passes it).
+    #[arg(long)]
+    resume: Option<Resume>,
+    /// Count the device as lost after this step of the numerics part (CI's check of
+    /// `--resume`, on a device that cannot be made to lose its stream).
+    #[arg(long, hide = true)]
+    simulate_device_lost_at: Option<usize>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -184,7 +197,7 @@ fn main() {
                         "error": "--backend cuda needs a build with `--features cuda` \
                                   (scripts/gpu-build.sh); --backend wgpu runs without"}),
                         );
-                        false
+                        Ok(false)
                     }
                 }))
                 .unwrap_or_else(|panic| {
@@ -194,7 +207,7 @@ fn main() {
                     "error": format!("the run stopped outside any case (did the device start? \
                                       see the log): {error}")}),
                     );
-                    false
+                    Ok(false)
                 });
             report.flush();
             ok
@@ -202,8 +215,9 @@ fn main() {
         .expect("a thread for the check")
         .join();
     match outcome {
-        Ok(true) => {}
-        Ok(false) => std::process::exit(1),
+        Ok(Ok(true)) => {}
+        Ok(Ok(false)) => std::process::exit(1),
+        Ok(Err(DeviceLost)) => std::process::exit(DEVICE_LOST),
         Err(_) => std::process::exit(101),
     }
 }
@@ -217,9 +231,15 @@ fn use_kernel_cache(dir: &Path) {
     CubeClRuntimeConfig::set(config);
 }
 
-/// Runs the parts asked for; `false` when a check failed or a part could not run.
-fn run<T: Target>(args: &Args, report: &mut Report) -> bool {
+/// Runs the parts asked for (after a lost device, those left: `--resume`); `false` when a
+/// check failed or a part could not run, `Err` when a case ended the device's stream.
+fn run<T: Target>(args: &Args, report: &mut Report) -> Result<bool, DeviceLost> {
     let device = Device::<T>::default();
+    let (only, numerics_from) = match args.resume {
+        None => (args.only, 0),
+        Some(Resume::Speed) => (Some(Part::Speed), 0),
+        Some(Resume::Numerics(step)) => (Some(Part::Numerics), step),
+    };
     report.emit(json!({
         "kind": "env", "impl": "burn-amp", "backend": T::NAME,
         "device": <T::Fused as burn_backend::Backend>::name(&device),
@@ -227,10 +247,11 @@ fn run<T: Target>(args: &Args, report: &mut Report) -> bool {
         "profile": if cfg!(debug_assertions) { "debug" } else { "release" },
         "started": report::now_utc(),
         "kernel_cache": args.kernel_cache.as_ref().map(|d| d.display().to_string()),
+        "resume": args.resume.map(|r| r.to_string()),
     }));
     let started = Instant::now();
     let mut ok = true;
-    if args.only.is_none() || args.only == Some(Part::Correctness) {
+    if only.is_none() || only == Some(Part::Correctness) {
         let failed = correctness::run::<T>(&device, report);
         report.emit(
             json!({"kind": "warmup", "what": "correctness (first compilation of every kernel)",
@@ -239,10 +260,16 @@ fn run<T: Target>(args: &Args, report: &mut Report) -> bool {
         if failed > 0 {
             ok = false;
             eprintln!("gpu_check: {failed} correctness case(s) failed (see the JSON lines)");
+            // The speed part, when it runs, runs on a device that still reads.
+            let speed_next = only.is_none() && args.speed_anyway;
+            if speed_next && !device_lost::device_reads::<T::Fused>(&device) {
+                let after = "the correctness part";
+                return Err(device_lost::lost(report, after, Resume::Speed, false));
+            }
         }
     }
-    if args.only.is_none() || args.only == Some(Part::Speed) {
-        if ok || args.speed_anyway {
+    if only.is_none() || only == Some(Part::Speed) {
+        if ok || args.speed_anyway || args.resume == Some(Resume::Speed) {
             let sizes = if args.quick {
                 speed::Sizes::quick()
             } else {
@@ -259,15 +286,23 @@ fn run<T: Target>(args: &Args, report: &mut Report) -> bool {
                 "why": "a correctness check failed (--speed-anyway measures anyway)"}));
         }
     }
-    if args.only == Some(Part::Numerics) {
+    if only == Some(Part::Numerics) {
         let lows = low_precisions::<T>(&device);
         let budget = Duration::from_secs(args.numerics_seconds);
+        let mut steps = Steps::new(numerics_from, args.simulate_device_lost_at);
         #[cfg(not(test))]
-        let failed = numerics::run::<T>(&device, &lows, budget, args.numerics_seeds, report);
+        let failed = numerics::run::<T>(
+            &device,
+            &lows,
+            budget,
+            args.numerics_seeds,
+            &mut steps,
+            report,
+        )?;
         // The harness build (see `mod numerics`), whose `main` never runs.
         #[cfg(test)]
         let failed = {
-            let _ = (lows, budget, args.numerics_seeds);
+            let _ = (lows, budget, args.numerics_seeds, &mut steps);
             0
         };
         if failed > 0 {
@@ -279,7 +314,7 @@ fn run<T: Target>(args: &Args, report: &mut Report) -> bool {
         "gpu_check: done in {:.1} s",
         started.elapsed().as_secs_f64()
     );
-    ok
+    Ok(ok)
 }
 
 /// The half precisions the target's device runs (bf16: not on WGSL).

@@ -15,7 +15,10 @@
 //!   against the unfused kernels (f32), and every saving of autocast on and off.
 //!
 //! It runs alone (`--only numerics`), within `budget`: a case that cannot start in time is a
-//! `skipped` line, never a failure. Each case is one JSON line, as in `correctness`.
+//! `skipped` line, never a failure. Each case is one JSON line, as in `correctness`. Its steps
+//! (each case, each random graph's comparison, each plain-Burn canary) are counted, so that
+//! after a case that ended the device's stream a new process goes on with the next one
+//! (`device_lost`).
 
 #![allow(dead_code, unused_imports, clippy::all)]
 
@@ -28,6 +31,7 @@ use serde_json::json;
 
 use crate::common;
 use crate::correctness::{Outcome, timed};
+use crate::device_lost::{DeviceLost, Steps};
 use crate::report::Report;
 use crate::{Device, Target};
 
@@ -92,7 +96,9 @@ mod upcast;
 #[path = "../../tests/autocast_numerics/workarounds.rs"]
 mod workarounds;
 
-use random_graphs::{Agreement, STEPS, UNFUSED_CANNOT};
+mod graphs;
+
+use graphs::graphs_while_time_lasts;
 
 /// A check at one precision on the fused backend.
 type AtPrecision<T> = fn(&Device<T>, Precision);
@@ -154,26 +160,32 @@ fn at_precision<T: Target>() -> Vec<(&'static str, AtPrecision<T>)> {
     ]
 }
 
-/// Runs the numerics part within `budget`, random graphs on at most `seeds` seeds (while time
-/// lasts without it); returns how many cases failed.
+/// Runs the numerics part's `steps` (those from where an earlier process stopped) within
+/// `budget`, random graphs on at most `seeds` seeds (while time lasts without it); returns how
+/// many cases failed, or where to go on when a case ended the device's stream.
 pub fn run<T: Target>(
     device: &Device<T>,
     lows: &[Precision],
     budget: Duration,
     seeds: Option<u64>,
+    steps: &mut Steps,
     report: &mut Report,
-) -> usize {
+) -> Result<usize, DeviceLost> {
     type F<T> = <T as Target>::Fused;
     let deadline = Instant::now() + budget;
     let mut failed = 0;
     let mut case = |suite: &str,
                     name: &str,
                     dtype: &str,
-                    f: &mut dyn FnMut() -> Result<String, String>| {
+                    f: &mut dyn FnMut() -> Result<String, String>|
+     -> Result<(), DeviceLost> {
+        let Some(step) = steps.start() else {
+            return Ok(());
+        };
         if Instant::now() >= deadline {
             report.emit(json!({"kind": "skipped", "suite": suite, "case": name, "dtype": dtype,
                 "why": format!("the numerics part's {} s were spent (--numerics-seconds)", budget.as_secs())}));
-            return;
+            return Ok(());
         }
         eprintln!("gpu_check: {suite}: {name} {dtype}");
         let outcome: Outcome = timed(|| f());
@@ -181,8 +193,16 @@ pub fn run<T: Target>(
         report.emit(json!({
             "kind": "correctness", "suite": suite, "case": name, "variant": "fusion",
             "dtype": dtype, "ok": outcome.error.is_none(), "error": outcome.error,
-            "detail": outcome.detail, "ms": outcome.ms,
+            "detail": outcome.detail, "ms": outcome.ms, "step": step,
         }));
+        let after = format!("{suite}: {name} {dtype}");
+        steps.check::<F<T>>(
+            step,
+            outcome.error.is_some(),
+            after.trim_end(),
+            device,
+            report,
+        )
     };
     let ok = |what: &str| Ok::<String, String>(what.to_string());
 
@@ -191,7 +211,7 @@ pub fn run<T: Target>(
             case("numerics", name, &precision.to_string(), &mut || {
                 check(device, precision);
                 ok("as in tests/autocast_numerics")
-            });
+            })?;
         }
     }
 
@@ -447,201 +467,83 @@ pub fn run<T: Target>(
         ),
     ];
     for (name, check) in &workarounds {
-        case("workarounds", name, "", &mut || check());
+        case("workarounds", name, "", &mut || check())?;
+    }
+
+    // What plain Burn does here where Amp works around a defect: `info` lines, not cases.
+    type Canary<'a> = Box<dyn Fn() -> Result<String, String> + 'a>;
+    let canaries: Vec<(&str, Canary<'_>)> = vec![
+        (
+            "plain Burn: an integer power",
+            Box::new(|| {
+                let got = int_pow::plain_five_cubed::<F<T>>(device);
+                Ok(format!("plain {}: 5^3 = {got}", T::NAME))
+            }),
+        ),
+        (
+            "plain Burn: NaN propagation",
+            Box::new(|| {
+                let hidden = nan_propagation::nan_hidden_by::<F<T>>(device, DType::F32);
+                Ok(format!(
+                    "plain {} turns a NaN into a number in {hidden:?}",
+                    T::NAME
+                ))
+            }),
+        ),
+        (
+            "plain Burn: elu, celu, selu, mish above exp's overflow",
+            Box::new(|| {
+                let errors =
+                    infinities::activation_errors::<burn::backend::Autodiff<F<T>>>(device, 1e-5);
+                Ok(format!("plain {}: {errors:?}", T::NAME))
+            }),
+        ),
+        (
+            // A race: the count may vary from run to run.
+            "plain Burn: scatter_nd at a repeated index",
+            Box::new(|| {
+                let (floats, ints) = indexing::plain_scatter_nd_at_a_repeated_row::<F<T>>(device);
+                Ok(format!(
+                    "plain {}: three updates of 1 at one row give {floats} (floats), {ints} \
+                     (ints); 3 is right",
+                    T::NAME
+                ))
+            }),
+        ),
+        (
+            // Last of these, as it reads past a buffer's end (wgpu refuses; CUDA may not
+            // notice, or may fault and end the device's stream).
+            "plain Burn: avg_pool2d's gradient",
+            Box::new(|| {
+                let wrong: Vec<String> = workarounds::plain_avg_pool_wrong::<F<T>>(device)
+                    .into_iter()
+                    .map(|(what, wrong, of)| format!("{what} pool: {wrong} of {of}"))
+                    .collect();
+                Ok(format!(
+                    "plain {} gets gradient values wrong: {}",
+                    T::NAME,
+                    wrong.join(", ")
+                ))
+            }),
+        ),
+    ];
+    for (name, canary) in &canaries {
+        let Some(step) = steps.start() else {
+            continue;
+        };
+        let plain = timed(canary);
+        report.emit(json!({
+            "kind": "info", "suite": "workarounds", "case": name, "detail": plain.detail,
+            "error": plain.error, "ms": plain.ms, "step": step,
+        }));
+        steps.check::<F<T>>(step, plain.error.is_some(), name, device, report)?;
     }
 
     // Random graphs while time lasts, at least one seed each (so that the code runs in CI)
-    // unless `seeds` says none.
+    // unless `seeds` says none. Last: how many steps they take depends on the time, and a
+    // process resuming after them could not count them again.
     if seeds != Some(0) {
-        failed += graphs_while_time_lasts::<T>(device, lows, deadline, seeds, report);
+        failed += graphs_while_time_lasts::<T>(device, lows, deadline, seeds, steps, report)?;
     }
-
-    // Last, as it reads past a buffer's end (wgpu refuses; CUDA may not notice, or may
-    // fault and end the device's stream): whether plain Burn has the pool defect here too.
-    let plain = timed(|| {
-        let wrong: Vec<String> = workarounds::plain_avg_pool_wrong::<F<T>>(device)
-            .into_iter()
-            .map(|(what, wrong, of)| format!("{what} pool: {wrong} of {of}"))
-            .collect();
-        Ok(format!(
-            "plain {} gets gradient values wrong: {}",
-            T::NAME,
-            wrong.join(", ")
-        ))
-    });
-    report.emit(json!({
-        "kind": "info", "suite": "workarounds", "case": "plain Burn: avg_pool2d's gradient",
-        "detail": plain.detail, "error": plain.error, "ms": plain.ms,
-    }));
-    let plain = timed(|| {
-        let got = int_pow::plain_five_cubed::<F<T>>(device);
-        Ok(format!("plain {}: 5^3 = {got}", T::NAME))
-    });
-    report.emit(json!({
-        "kind": "info", "suite": "workarounds", "case": "plain Burn: an integer power",
-        "detail": plain.detail, "error": plain.error, "ms": plain.ms,
-    }));
-    let plain = timed(|| {
-        let hidden = nan_propagation::nan_hidden_by::<F<T>>(device, DType::F32);
-        Ok(format!(
-            "plain {} turns a NaN into a number in {hidden:?}",
-            T::NAME
-        ))
-    });
-    report.emit(json!({
-        "kind": "info", "suite": "workarounds", "case": "plain Burn: NaN propagation",
-        "detail": plain.detail, "error": plain.error, "ms": plain.ms,
-    }));
-    let plain = timed(|| {
-        let errors = infinities::activation_errors::<burn::backend::Autodiff<F<T>>>(device, 1e-5);
-        Ok(format!("plain {}: {errors:?}", T::NAME))
-    });
-    report.emit(json!({
-        "kind": "info", "suite": "workarounds", "case": "plain Burn: elu, celu, selu, mish above exp's overflow",
-        "detail": plain.detail, "error": plain.error, "ms": plain.ms,
-    }));
-    // Whether plain Burn's scatter_nd loses updates at a repeated index here too (a race:
-    // the count may vary from run to run).
-    let plain = timed(|| {
-        let (floats, ints) = indexing::plain_scatter_nd_at_a_repeated_row::<F<T>>(device);
-        Ok(format!(
-            "plain {}: three updates of 1 at one row give {floats} (floats), {ints} (ints); 3 \
-             is right",
-            T::NAME
-        ))
-    });
-    report.emit(json!({
-        "kind": "info", "suite": "workarounds", "case": "plain Burn: scatter_nd at a repeated index",
-        "detail": plain.detail, "error": plain.error, "ms": plain.ms,
-    }));
-    failed
-}
-
-/// The random graphs of `tests/autocast_numerics/random_graphs`, seed after seed until
-/// `deadline` or `seeds` seeds: one JSON line per seed and comparison, written as each ends
-/// (`gpu_table.py` sums them per comparison), so that a process stopped past its time keeps
-/// what it compared; the deadline is checked before each comparison (after seed 0, which always
-/// runs, so that CI's short run reaches this code).
-fn graphs_while_time_lasts<T: Target>(
-    device: &Device<T>,
-    lows: &[Precision],
-    deadline: Instant,
-    seeds: Option<u64>,
-    report: &mut Report,
-) -> usize {
-    type F<T> = <T as Target>::Fused;
-    type U<T> = <T as Target>::Bare;
-    // With TF32 a graph's f32 results move by about 1e-3 (relative) wherever a matmul runs:
-    // tolerances follow from how much such a move of the inputs moves the graph.
-    let f32_agreement = if T::TF32 {
-        Agreement {
-            floor: 1e-3,
-            perturbation: Some(1e-3),
-        }
-    } else {
-        Agreement {
-            floor: 1e-4,
-            perturbation: None,
-        }
-    };
-    let mut leave_out = UNFUSED_CANNOT.to_vec();
-    if T::TF32 {
-        leave_out.extend_from_slice(STEPS);
-    }
-    let cross = [UNFUSED_CANNOT, STEPS].concat();
-    let flex = Default::default();
-    let d = device;
-    type Comparison<'a> = Box<dyn Fn(u64) -> bool + 'a>;
-    let mut comparisons: Vec<(String, Comparison<'_>)> = vec![(
-        "fused against unfused, f32".into(),
-        Box::new(|seed| {
-            random_graphs::backends_agree_on::<F<T>, U<T>>(
-                seed,
-                ("fused", d),
-                ("unfused", d),
-                Precision::F32,
-                f32_agreement,
-                &leave_out,
-            )
-        }),
-    )];
-    for &precision in lows {
-        let agreement = match precision {
-            Precision::Bf16 => Agreement {
-                floor: 5e-2,
-                perturbation: Some(4e-3),
-            },
-            _ => Agreement {
-                floor: 2e-2,
-                perturbation: T::TF32.then_some(1e-3),
-            },
-        };
-        let leave_out = &leave_out;
-        comparisons.push((
-            format!("fused against unfused, {precision}"),
-            Box::new(move |seed| {
-                random_graphs::backends_agree_on::<F<T>, U<T>>(
-                    seed,
-                    ("fused", d),
-                    ("unfused", d),
-                    precision,
-                    agreement,
-                    leave_out,
-                )
-            }),
-        ));
-    }
-    comparisons.push((
-        "Flex against unfused, f32".into(),
-        Box::new(|seed| {
-            random_graphs::backends_agree_on::<Flex, U<T>>(
-                seed,
-                ("Flex", &flex),
-                ("unfused", d),
-                Precision::F32,
-                Agreement {
-                    floor: 1e-2,
-                    perturbation: Some(if T::TF32 { 1e-3 } else { 1e-7 }),
-                },
-                &cross,
-            )
-        }),
-    ));
-    for &precision in lows {
-        comparisons.push((
-            format!("every saving on and off, {precision}"),
-            Box::new(move |seed| {
-                random_graphs::savings_change_no_value_on::<F<T>>(seed, d, precision, 24);
-                true
-            }),
-        ));
-    }
-
-    eprintln!("gpu_check: random graphs until the numerics part's time is spent");
-    let mut failed = 0;
-    let mut seed = 0;
-    'seeds: loop {
-        for (name, compare) in &comparisons {
-            // Each comparison's line says how far it got; a stop mid-seed shows there.
-            if seed > 0 && Instant::now() >= deadline {
-                break 'seeds;
-            }
-            let start = Instant::now();
-            let (ok, left_out, error) = match catch_unwind(AssertUnwindSafe(|| compare(seed))) {
-                Ok(ran) => (true, !ran, None),
-                Err(panic) => (false, false, Some(panic_message(panic))),
-            };
-            failed += usize::from(!ok);
-            report.emit(json!({
-                "kind": "correctness", "suite": "random graphs", "case": name, "variant": "fusion",
-                "dtype": "", "seed": seed, "ok": ok, "left_out": left_out, "error": error,
-                "ms": start.elapsed().as_secs_f64() * 1e3,
-            }));
-        }
-        seed += 1;
-        if seeds.is_some_and(|n| seed >= n) {
-            break;
-        }
-    }
-    failed
+    Ok(failed)
 }
