@@ -141,7 +141,7 @@ fi
 
 # gpu_check with $1 as its JSON lines and its stderr in $out/$2.stderr, for $3 seconds in all,
 # with the flags after those. When a case ended the device's stream (a kernel that failed to
-# compile or launch: CubeCL keeps the error, every later read fails) gpu_check exits with 3
+# compile or launch: CubeCL keeps the error, and the reads after it fail) gpu_check exits with 3
 # after a device_lost line saying where to go on; a new process, with a new device, resumes
 # there while time is left (examples/gpu_check/device_lost.rs). Each process writes its own
 # file, appended to $1. With GPU_CHECK_NUMERICS set, each is given the seconds left, less a
