@@ -157,6 +157,10 @@ fn at_precision<T: Target>() -> Vec<(&'static str, AtPrecision<T>)> {
             (|_, precision| attention::check_attention::<Amp<Autodiff<F<T>>>>(precision, true))
                 as AtPrecision<T>,
         ),
+        (
+            "attention: raw products past f16 scaled first, rows that see no key, against f32",
+            attention::check_attention_edges::<F<T>> as AtPrecision<T>,
+        ),
     ]
 }
 

@@ -7,6 +7,7 @@
 //! Stack it above autodiff, `Amp<Autodiff<B>>`: the casts are then part of the graph, f32
 //! parameters get f32 gradients, and the activations autodiff saves are in f16/bf16.
 
+mod attention;
 mod backward_passes;
 pub mod cast_cache;
 mod concrete;

@@ -509,3 +509,44 @@ fn exp_behind_a_mask_wgpu() {
     canaries::<Wgpu>(&device);
     thresholded_softplus::<Wgpu>(&device);
 }
+
+/// Canary of a defect not worked around (README, Defects): CubeCL's maximum of a row of
+/// `-inf` (and minimum of `+inf`) is the dtype's lowest (highest) finite value, in f32 and
+/// f16; Flex's is the infinity, as is CubeCL's `max_dim_with_indices`. Fails once Burn fixes it.
+#[test]
+fn max_of_a_row_of_minus_infinity_wgpu() {
+    let Some(device) = common::wgpu_device() else {
+        return;
+    };
+    let ninf = f32::NEG_INFINITY;
+    let rows = [[1.0, ninf], [ninf, ninf]];
+    for (dtype, lowest) in [(DType::F32, f32::MIN), (DType::F16, -65504.0)] {
+        let x = Tensor::<Wgpu, 2>::from_floats(rows, &device).cast(dtype);
+        assert_eq!(
+            values(x.clone().max_dim(1)),
+            [1.0, lowest],
+            "{dtype:?} max_dim"
+        );
+        assert_eq!(
+            values(x.clone().slice([1..2, 0..2]).max()),
+            [lowest],
+            "{dtype:?} max"
+        );
+        assert_eq!(
+            values(x.clone().neg().min_dim(1)),
+            [-1.0, -lowest],
+            "{dtype:?} min_dim"
+        );
+        assert_eq!(
+            values(x.clone().max_dim_with_indices(1).0),
+            [1.0, ninf],
+            "{dtype:?} max_dim_with_indices"
+        );
+        let flex = Tensor::<Flex, 2>::from_floats(rows, &Default::default()).cast(dtype);
+        assert_eq!(
+            values(flex.max_dim(1)),
+            [1.0, ninf],
+            "{dtype:?} Flex max_dim"
+        );
+    }
+}

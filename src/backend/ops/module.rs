@@ -4,7 +4,6 @@
 //! whose results are structs generic over the backend, which are rebuilt by hand.
 
 use burn_backend::Backend;
-use burn_backend::ops::attention::attention_fallback;
 use burn_backend::ops::{
     AttentionModuleOptions, ConvOptions, ConvTransposeOptions, DeformConv2dBackward,
     DeformConvOptions, InterpolateOptions, MaxPool1dBackward, MaxPool1dWithIndices,
@@ -12,11 +11,12 @@ use burn_backend::ops::{
 };
 use burn_backend::tensor::{BoolTensor, FloatTensor, IntTensor};
 
-use crate::backend::Amp;
 use crate::backend::macros::{
     autocast_call, autocast_empty, autocast_input, autocast_ops, probe_dim,
 };
 use crate::backend::policy::{Autocast, Op};
+use crate::backend::workarounds::on_flex;
+use crate::backend::{Amp, attention};
 
 impl<B: Backend> ModuleOps<Self> for Amp<B> {
     autocast_ops! {
@@ -73,11 +73,12 @@ impl<B: Backend> ModuleOps<Self> for Amp<B> {
     }
 
     /// The two matmuls in the low dtype, the softmax between them in f32 (`AUTOCAST_POLICY.md`
-    /// section 1). A backend with autodiff composes attention from its own ops (Burn 0.21's
-    /// `Autodiff` runs `attention_fallback::<Autodiff<..>>`), which `Amp` above it never sees:
-    /// its softmax would run in the low dtype. There the same composition runs here, through
-    /// `Amp`'s ops, so that each follows the policy (and autodiff records the casts). Without
-    /// autodiff the backend's own kernel runs on the lowered inputs.
+    /// section 1), composed from `Amp`'s own ops (`backend/attention.rs`)
+    /// wherever the backend would compose it in the low dtype: under autodiff (Burn 0.21's
+    /// `Autodiff` runs `attention_fallback` through its own ops, which `Amp` above it never
+    /// sees), and outside Flex with a bias, a softcap or an explicit scale (CubeCL's flash
+    /// kernel takes none of them). Otherwise the backend's kernel runs on the lowered inputs:
+    /// Flex's computes in f32, CubeCL's flash kernel accumulates in f32.
     fn attention(
         query: FloatTensor<Self>,
         key: FloatTensor<Self>,
@@ -91,8 +92,10 @@ impl<B: Backend> ModuleOps<Self> for Amp<B> {
         autocast_input!(see t autocast key);
         autocast_input!(see t autocast value);
         autocast_input!(see opt autocast attn_bias);
-        if autocast.lowers() && B::ad_enabled(&B::float_device(&query)) {
-            return attention_fallback::<Self>(query, key, value, mask, attn_bias, options);
+        let composed_in_half = B::ad_enabled(&B::float_device(&query))
+            || (!on_flex::<B>() && attention::composed_by_backend(attn_bias.is_some(), &options));
+        if autocast.lowers() && composed_in_half {
+            return attention::attention::<Self>(query, key, value, mask, attn_bias, options);
         }
         let plan = autocast.plan();
         B::attention(

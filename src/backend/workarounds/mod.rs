@@ -253,7 +253,7 @@ pub(super) fn on_wgpu<B: Backend>() -> bool {
 }
 
 /// Whether `B` is Flex, or autodiff over it (both keep ints as Flex tensors).
-pub(super) fn on_flex<B: Backend>() -> bool {
+pub(crate) fn on_flex<B: Backend>() -> bool {
     TypeId::of::<IntTensor<B>>() == TypeId::of::<FlexTensor>()
 }
 
