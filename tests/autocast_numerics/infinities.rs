@@ -438,8 +438,8 @@ fn cosine_similarity_of_a_zero_row_wgpu() {
 }
 
 /// Negative powers under `Amp` above autodiff on `B`, of negative, fractional and positive
-/// bases, to scalar and tensor exponents: values and the bases' gradients within 1e-5
-/// relative of Flex's (IEEE's `pow`; on wgpu through `negative_powers`, CUDA's own `powf`).
+/// bases, to scalar and tensor exponents: values, the bases' gradients and a tensor exponent's
+/// (at 0 too) within 1e-5 relative of Flex's (IEEE's `pow`; on wgpu through `negative_powers`, CUDA's own `powf`).
 pub(crate) fn negative_powers<B: Backend>(device: &B::Device) {
     fn run<A: AutodiffBackend>(device: &A::Device) -> Vec<f32> {
         let x = Tensor::<A, 1>::from_floats([-2.0, -0.5, 0.5, 3.0], device).require_grad();
@@ -456,9 +456,15 @@ pub(crate) fn negative_powers<B: Backend>(device: &B::Device) {
             .reduce(|a, b| a + b)
             .expect("four")
             .sum();
-        let grad = x.grad(&loss.backward()).expect("x's gradient");
+        // The exponent's gradient, `x^r ln x`, at positive bases, at r = 0 too (`ln x`).
+        let base = Tensor::<A, 1>::from_floats([0.5, 3.0, 2.0], device);
+        let r = Tensor::<A, 1>::from_floats([0.0, -0.5, 1.5], device).require_grad();
+        let loss = loss + base.powf(r.clone()).sum();
+        let grads = loss.backward();
+        let grad = x.grad(&grads).expect("x's gradient");
         let mut all: Vec<f32> = outs.into_iter().flat_map(values).collect();
         all.extend(values(grad));
+        all.extend(values(r.grad(&grads).expect("r's gradient")));
         all
     }
     let _g = autocast(Precision::F32);

@@ -38,7 +38,10 @@ pub(super) fn float_powf<B: Backend>(lhs: FloatTensor<B>, rhs: FloatTensor<B>) -
         return recompute::float_powf::<B>(lhs, rhs);
     }
     let negative = B::float_lower_elem(rhs.clone(), Scalar::Float(0.0), bools::<B>(&rhs));
-    let power = recompute::float_powf::<B>(lhs, B::float_abs(rhs));
+    // `|rhs|`, not through `abs`, whose gradient at 0 is 0: the exponent's gradient at 0 is
+    // `ln lhs`.
+    let magnitude = B::float_mask_where(rhs.clone(), negative.clone(), B::float_neg(rhs));
+    let power = recompute::float_powf::<B>(lhs, magnitude);
     let negative = B::bool_expand(negative, power.shape());
     // Where the exponent is not negative the reciprocal is of 1: its gradient there is 0,
     // where that of the power itself (0 at a zero base) would give NaN (-0 / 0²).
