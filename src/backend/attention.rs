@@ -17,11 +17,19 @@ use burn_backend::ops::AttentionModuleOptions;
 use burn_backend::ops::attention::attention_fallback;
 use burn_backend::tensor::{BoolTensor, FloatTensor};
 
-/// Whether a backend's attention kernel would take these inputs to Burn's composition in the
-/// input's dtype: Burn 0.21's CubeCL has a flash kernel (f32 accumulators) only without a
-/// bias, a softcap or an explicit scale.
-pub(crate) fn composed_by_backend(has_bias: bool, options: &AttentionModuleOptions) -> bool {
-    has_bias || options.softcap.is_some() || options.scale.is_some()
+use crate::backend::workarounds::on_flex;
+
+/// Whether `B` would compose attention in the input's dtype, so that `Amp` composes it
+/// instead: under autodiff (Burn 0.21's `Autodiff` runs `attention_fallback` through its own
+/// ops), and outside Flex with a bias, a softcap or an explicit scale (Burn 0.21's CubeCL has a
+/// flash kernel, f32 accumulators, only without them; Flex's kernel computes in f32).
+pub(crate) fn composed_in_half<B: Backend>(
+    device: &B::Device,
+    has_bias: bool,
+    options: &AttentionModuleOptions,
+) -> bool {
+    let falls_back = has_bias || options.softcap.is_some() || options.scale.is_some();
+    B::ad_enabled(device) || (falls_back && !on_flex::<B>())
 }
 
 /// `softmax(q kᵀ · scale) v`, with a softcap, masks and a bias as Burn applies them, through

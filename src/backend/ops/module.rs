@@ -15,7 +15,6 @@ use crate::backend::macros::{
     autocast_call, autocast_empty, autocast_input, autocast_ops, probe_dim,
 };
 use crate::backend::policy::{Autocast, Op};
-use crate::backend::workarounds::on_flex;
 use crate::backend::{Amp, attention};
 
 impl<B: Backend> ModuleOps<Self> for Amp<B> {
@@ -73,12 +72,9 @@ impl<B: Backend> ModuleOps<Self> for Amp<B> {
     }
 
     /// The two matmuls in the low dtype, the softmax between them in f32 (`AUTOCAST_POLICY.md`
-    /// section 1), composed from `Amp`'s own ops (`backend/attention.rs`)
-    /// wherever the backend would compose it in the low dtype: under autodiff (Burn 0.21's
-    /// `Autodiff` runs `attention_fallback` through its own ops, which `Amp` above it never
-    /// sees), and outside Flex with a bias, a softcap or an explicit scale (CubeCL's flash
-    /// kernel takes none of them). Otherwise the backend's kernel runs on the lowered inputs:
-    /// Flex's computes in f32, CubeCL's flash kernel accumulates in f32.
+    /// section 1): composed from `Amp`'s own ops (`backend/attention.rs`) wherever the
+    /// backend would compose it in the low dtype (`attention::composed_in_half`), else the
+    /// backend's kernel on the lowered inputs.
     fn attention(
         query: FloatTensor<Self>,
         key: FloatTensor<Self>,
@@ -92,9 +88,13 @@ impl<B: Backend> ModuleOps<Self> for Amp<B> {
         autocast_input!(see t autocast key);
         autocast_input!(see t autocast value);
         autocast_input!(see opt autocast attn_bias);
-        let composed_in_half = B::ad_enabled(&B::float_device(&query))
-            || (!on_flex::<B>() && attention::composed_by_backend(attn_bias.is_some(), &options));
-        if autocast.lowers() && composed_in_half {
+        if autocast.lowers()
+            && attention::composed_in_half::<B>(
+                &B::float_device(&query),
+                attn_bias.is_some(),
+                &options,
+            )
+        {
             return attention::attention::<Self>(query, key, value, mask, attn_bias, options);
         }
         let plan = autocast.plan();
