@@ -25,6 +25,7 @@
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::time::{Duration, Instant};
 
+use burn::backend::autodiff::checkpoint::strategy::BalancedCheckpointing;
 use burn::backend::{Autodiff, Flex};
 use burn_amp::Amp;
 use serde_json::json;
@@ -345,11 +346,14 @@ pub fn run<T: Target>(
             "NaN propagation (Burn's kernels turn a NaN into a number in some ops)",
             Box::new(|| {
                 // An f32 input, and half ones (a lowered op's output).
-                let inputs = lows
-                    .iter()
-                    .map(|p| p.low_dtype().expect("a low precision").into());
+                let dtypes: Vec<DType> = std::iter::once(DType::F32)
+                    .chain(
+                        lows.iter()
+                            .map(|p| p.low_dtype().expect("a low precision").into()),
+                    )
+                    .collect();
                 let mut ops = 0;
-                for dtype in std::iter::once(DType::F32).chain(inputs) {
+                for &dtype in &dtypes {
                     let checks = {
                         let _g = burn_amp::autocast(Precision::F16);
                         nan_propagation::nan_kept_by::<Amp<F<T>>>(device, dtype)
@@ -363,10 +367,25 @@ pub fn run<T: Target>(
                     ops = checks.len();
                 }
                 nan_propagation::around_the_nans::<F<T>>(device);
+                let mut from_x = Vec::new();
+                for &dtype in &dtypes {
+                    let (w, x) = nan_propagation::nan_lost_in_recompute::<
+                        F<T>,
+                        BalancedCheckpointing,
+                    >(device, dtype);
+                    if !w.is_empty() {
+                        return Err(format!(
+                            "{dtype:?}: recomputed in the backward, {w:?} lost the NaN \
+                             (w's gradient in op(x) · w is a number)"
+                        ));
+                    }
+                    from_x = x;
+                }
                 ok(&format!(
                     "{ops} ops on a row holding a NaN (f32 and half inputs): none hides it under \
                      Amp; pow's IEEE exceptions, atan2, top-k's NaN first with its index and \
-                     gradient"
+                     gradient; the NaN survives recomputation in the backward (the input \
+                     gradient is a number at a NaN for {from_x:?})"
                 ))
             }),
         ),

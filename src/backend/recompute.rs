@@ -48,7 +48,6 @@ use burn::backend::autodiff::checkpoint::strategy::{BalancedCheckpointing, Check
 use burn::backend::autodiff::grads::Gradients;
 use burn::backend::autodiff::ops::{Backward, Ops, OpsKind, unary};
 use burn_backend::Backend;
-use burn_backend::Scalar;
 use burn_backend::ops::{ActivationOps, FloatTensorOps};
 use burn_backend::tensor::FloatTensor;
 
@@ -149,9 +148,10 @@ macro_rules! recomputed_ops {
     ($($ops:ident :: $name:ident($($kind:ident $arg:ident $(: $ty:ty)?),*);)*) => {
         /// The ops recomputed here: burn-autodiff 0.21's memory-bound ops that keep every
         /// tracked input for their backward (so a recipe of them keeps nothing more), and
-        /// softmax and log-softmax; `exp`, `log`, `log1p`, `sqrt` and `log_sigmoid` are such
-        /// ops too, whose nodes `Amp` builds itself (for their backward at an infinity) under
-        /// the same strategy.
+        /// softmax and log-softmax; `exp`, `log`, `log1p`, `sqrt` and `log_sigmoid` (for
+        /// their backward at an infinity), `relu`, `sigmoid` and the scalar powers (for a NaN
+        /// that survives the recomputation) are such ops too, whose nodes `Amp` builds itself
+        /// under the same strategy.
         pub const fn is_recomputed(op: Op) -> bool {
             matches!(
                 op,
@@ -163,6 +163,12 @@ macro_rules! recomputed_ops {
                     | Op::float_log1p
                     | Op::float_sqrt
                     | Op::log_sigmoid
+                    | Op::relu
+                    | Op::sigmoid
+                    | Op::float_powf_scalar
+                    | Op::float_powf_scalar_impl
+                    | Op::float_powi_scalar
+                    | Op::float_powi_scalar_impl
             )
         }
         $(
@@ -210,7 +216,6 @@ recomputed_ops! {
     FloatTensorOps::float_atan2(t lhs, t rhs);
     FloatTensorOps::float_powf(t lhs, t rhs);
     FloatTensorOps::float_recip(t tensor);
-    FloatTensorOps::float_powf_scalar_impl(t tensor, a value: Scalar);
     FloatTensorOps::float_abs(t tensor);
     FloatTensorOps::float_cos(t tensor);
     FloatTensorOps::float_sin(t tensor);
@@ -225,9 +230,7 @@ recomputed_ops! {
     FloatTensorOps::float_acosh(t tensor);
     FloatTensorOps::float_atanh(t tensor);
     FloatTensorOps::float_erf(t tensor);
-    ActivationOps::relu(t tensor);
     ActivationOps::gelu(t tensor);
-    ActivationOps::sigmoid(t tensor);
 }
 
 /// `softmax` along `dim` as one node (see the module docs).

@@ -5,6 +5,9 @@
 //! loss scaler cannot skip. The plain backends' lists are canaries: a Burn that changes them
 //! fails here.
 
+use burn::backend::autodiff::checkpoint::strategy::{
+    BalancedCheckpointing, CheckpointStrategy, NoCheckpointing,
+};
 use burn::backend::{Autodiff, Flex, Wgpu};
 use burn::tensor::TensorData;
 use burn::tensor::activation::{hard_sigmoid, relu, sigmoid};
@@ -240,5 +243,83 @@ fn max_pair_drops_a_nan_in_other_above_any_backend() {
     assert!(dropped::<Amp<Flex>>(&device));
     if let Some(device) = common::wgpu_device() {
         assert!(dropped::<Amp<Wgpu>>(&device));
+    }
+}
+
+/// The elementwise ops above whose output a later op reads back in the backward: `w`'s
+/// gradient in `sum(op(x) · w)` is `op(x)`, NaN where PyTorch's is. While autocast lowers,
+/// `op`'s node is recomputed ([`burn_amp::backend::recompute`]): the product's backward gets
+/// `op(x)` again from `x`, and the NaN `Amp` put back must come back with it. Returns, on
+/// `Amp<Autodiff<B, C>>` with `x` in `dtype`, the ops whose `w` gradient is a number at the
+/// NaN, and those whose `x` gradient is.
+pub(crate) fn nan_lost_in_recompute<B: Backend, C: CheckpointStrategy>(
+    device: &B::Device,
+    dtype: DType,
+) -> (Vec<&'static str>, Vec<&'static str>) {
+    type A<B, C> = Amp<Autodiff<B, C>>;
+    let _g = autocast(Precision::F16);
+    let x = || input::<A<B, C>>(device, dtype).require_grad();
+    let halves = || x().ones_like().mul_scalar(0.5);
+    type Op<B, C> = fn(Tensor<A<B, C>, 2>, Tensor<A<B, C>, 2>) -> Tensor<A<B, C>, 2>;
+    let ops: Vec<(&'static str, Op<B, C>)> = vec![
+        ("relu", |x, _| relu(x)),
+        ("sigmoid", |x, _| sigmoid(x)),
+        ("hard_sigmoid", |x, _| hard_sigmoid(x, 0.2, 0.5)),
+        ("clamp", |x, _| x.clamp(-1.0, 1.0)),
+        ("clamp_min", |x, _| x.clamp_min(0.0)),
+        ("clamp_max", |x, _| x.clamp_max(0.0)),
+        ("powf_scalar", |x, _| x.powf_scalar(0.5)),
+        ("powf_scalar 2", |x, _| x.powf_scalar(2.0)),
+        ("powi_scalar", |x, _| x.powi_scalar(3)),
+        ("powf", |x, h| x.powf(h)),
+        ("atan2", |x, h| x.atan2(h)),
+        ("atan2 of x", |x, h| h.atan2(x)),
+    ];
+    let (mut from_w, mut from_x) = (Vec::new(), Vec::new());
+    for (name, op) in ops {
+        let (x, w) = (x(), x().ones_like().detach().require_grad());
+        let grads = (op(x.clone(), halves()) * w.clone()).sum().backward();
+        if !values(w.grad(&grads).expect("w's gradient"))[1].is_nan() {
+            from_w.push(name);
+        }
+        if !values(x.grad(&grads).expect("x's gradient"))[1].is_nan() {
+            from_x.push(name);
+        }
+    }
+    (from_w, from_x)
+}
+
+/// No `w` gradient hides the NaN (before `Amp` built its own nodes for them: `relu`'s on Flex,
+/// `sigmoid`'s on wgpu, and under balanced checkpointing `x^0.5`'s and `x^3`'s on wgpu). The
+/// `x` gradients that are a number there: those of ops whose backward is a comparison,
+/// PyTorch's too (`relu` passes the gradient, as CubeCL's does, and Flex's gives 0;
+/// `hard_sigmoid` and the clamps give 0); and on CubeCL `powf`'s with a tensor exponent, where
+/// PyTorch's is NaN: burn-autodiff's backward raises `x` to `p - 1` with CubeCL's kernel,
+/// which `Amp`, above it, does not see (a canary). The same under either checkpointing of the
+/// graph.
+fn nan_survives_recompute<B: Backend>(device: &B::Device, dtypes: &[DType], from_x: &[&str]) {
+    for &dtype in dtypes {
+        let want = (vec![], from_x.to_vec());
+        let lost = nan_lost_in_recompute::<B, NoCheckpointing>(device, dtype);
+        assert_eq!(lost, want, "{dtype:?}");
+        let lost = nan_lost_in_recompute::<B, BalancedCheckpointing>(device, dtype);
+        assert_eq!(lost, want, "{dtype:?}, balanced checkpointing");
+    }
+}
+
+/// The ops above whose backward is a comparison (PyTorch's: a number at a NaN).
+const COMPARISONS: [&str; 5] = ["relu", "hard_sigmoid", "clamp", "clamp_min", "clamp_max"];
+
+#[test]
+fn nan_survives_recompute_flex() {
+    let dtypes = [DType::F32, DType::F16, DType::BF16];
+    nan_survives_recompute::<Flex>(&Default::default(), &dtypes, &COMPARISONS);
+}
+
+#[test]
+fn nan_survives_recompute_wgpu() {
+    if let Some(device) = common::wgpu_device() {
+        let from_x = [&COMPARISONS[..], &["powf"]].concat();
+        nan_survives_recompute::<Wgpu>(&device, &[DType::F32, DType::F16], &from_x);
     }
 }

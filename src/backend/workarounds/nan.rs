@@ -14,7 +14,10 @@
 //! the value is replaced inside the op's own tensor, so the graph is the one the op built:
 //! nothing more kept, no node added, the same gradients (under an autodiff backend `Amp` does
 //! not list, the fill is an op of its own, whose gradient is 0 where it fills: hence fills
-//! only where an input is NaN). A few elementwise kernels more per op
+//! only where an input is NaN). `relu`, `sigmoid` and the scalar powers are nodes of `Amp`'s
+//! own instead, whose recomputation in the backward fills the NaN again ([`Activation`],
+//! [`ScalarPower`]). The input gradient of CubeCL's `powf` with a tensor exponent stays
+//! burn-autodiff's, 0 at a NaN (PyTorch's: NaN). A few elementwise kernels more per op
 //! (`is_nan`, a fill; fused on CubeCL), and an extra pool, reduction or scan of the NaN mask
 //! for those. The indices of a max pool (its backward's) stay the backend's.
 
@@ -23,6 +26,7 @@ use burn_backend::tensor::{BoolTensor, FloatTensor, IntTensor};
 use burn_backend::{Backend, Scalar, TensorMetadata, get_device_settings};
 use burn_std::{BoolDType, IntDType};
 
+use super::elementwise_node::{Elementwise, elementwise_node};
 use super::negative_powers;
 use crate::backend::concrete::{AutodiffTensor, Visit, dispatch, moved};
 use crate::backend::recompute;
@@ -164,11 +168,44 @@ fn scanned<B: Backend>(
 }
 
 pub(crate) fn relu<B: Backend>(tensor: FloatTensor<B>) -> FloatTensor<B> {
-    elementwise::<B>(tensor, recompute::relu::<B>)
+    elementwise_node::<B, _>(tensor, Activation::Relu)
 }
 
 pub(crate) fn sigmoid<B: Backend>(tensor: FloatTensor<B>) -> FloatTensor<B> {
-    elementwise::<B>(tensor, recompute::sigmoid::<B>)
+    elementwise_node::<B, _>(tensor, Activation::Sigmoid)
+}
+
+/// `relu` and `sigmoid`, NaN where the input is. Above a listed autodiff backend they are
+/// [nodes of `Amp`'s own](super::elementwise_node) rather than burn-autodiff's with the value
+/// filled in: theirs are memory-bound, so a later op that reads the output back (the product in
+/// SiLU, `w`'s gradient in `relu(x) · w`) gets it recomputed by the backend's kernel, which
+/// hides the NaN again (measured: Flex's `relu`, wgpu's `sigmoid`). The backward is the
+/// backend's, from the output with its NaN: `sigmoid`'s gradient is then NaN there (PyTorch's
+/// too); `relu`'s is the backend's rule at a NaN output (Burn's default and PyTorch's: the
+/// gradient passes; Flex's: 0).
+#[derive(Debug, Clone, Copy)]
+enum Activation {
+    Relu,
+    Sigmoid,
+}
+
+impl Elementwise for Activation {
+    fn forward<X: Backend>(self, x: FloatTensor<X>) -> FloatTensor<X> {
+        let at = nan_at::<X>(&x);
+        let y = match self {
+            Activation::Relu => X::relu(x),
+            Activation::Sigmoid => X::sigmoid(x),
+        };
+        X::float_mask_fill(y, at, Scalar::Float(f64::NAN))
+    }
+
+    fn backward<X: Backend>(self, x: FloatTensor<X>, grad: FloatTensor<X>) -> FloatTensor<X> {
+        let y = self.forward::<X>(x);
+        match self {
+            Activation::Relu => X::relu_backward(y, grad),
+            Activation::Sigmoid => X::sigmoid_backward(y, grad),
+        }
+    }
 }
 
 pub(crate) fn hard_sigmoid<B: Backend>(
@@ -263,25 +300,78 @@ pub(crate) fn float_powf_scalar<B: Backend>(
     tensor: FloatTensor<B>,
     value: Scalar,
 ) -> FloatTensor<B> {
-    power::<B>(tensor, value, B::float_powf_scalar)
+    ScalarPower::node::<B>(tensor, value, PowerOp::Powf)
 }
 
 pub(crate) fn float_powf_scalar_impl<B: Backend>(
     tensor: FloatTensor<B>,
     value: Scalar,
 ) -> FloatTensor<B> {
-    power::<B>(tensor, value, recompute::float_powf_scalar_impl::<B>)
+    ScalarPower::node::<B>(tensor, value, PowerOp::PowfImpl)
 }
 
 pub(crate) fn float_powi_scalar<B: Backend>(lhs: FloatTensor<B>, rhs: Scalar) -> FloatTensor<B> {
-    power::<B>(lhs, rhs, B::float_powi_scalar)
+    ScalarPower::node::<B>(lhs, rhs, PowerOp::Powi)
 }
 
 pub(crate) fn float_powi_scalar_impl<B: Backend>(
     lhs: FloatTensor<B>,
     rhs: Scalar,
 ) -> FloatTensor<B> {
-    power::<B>(lhs, rhs, B::float_powi_scalar_impl)
+    ScalarPower::node::<B>(lhs, rhs, PowerOp::PowiImpl)
+}
+
+/// Which of the backend's scalar powers runs: each keeps its kernels (the dispatchers pick a
+/// product or a reciprocal for small integer exponents).
+#[derive(Debug, Clone, Copy)]
+enum PowerOp {
+    Powf,
+    PowfImpl,
+    Powi,
+    PowiImpl,
+}
+
+/// `x` to a scalar exponent, NaN where `x` is ([`power`]), as a node of `Amp`'s own above a
+/// listed autodiff backend, for the reason [`Activation`] is one: burn-autodiff's is
+/// memory-bound, recomputed with the backend's kernel, which hides the NaN again on CubeCL
+/// (measured on wgpu under balanced checkpointing: `w`'s gradient in `x^0.5 · w` and `x^3 · w`
+/// a number). Its backward is burn-autodiff's, `p · x^(p-1)`, with the forward's NaN rule
+/// (PyTorch's: NaN at a NaN, where CubeCL's kernel gave 0), and 0 for `p = 0` (PyTorch's;
+/// Burn's gives the 0th power no gradient at all).
+#[derive(Debug, Clone, Copy)]
+struct ScalarPower {
+    exponent: Scalar,
+    op: PowerOp,
+}
+
+impl ScalarPower {
+    fn node<B: Backend>(x: FloatTensor<B>, exponent: Scalar, op: PowerOp) -> FloatTensor<B> {
+        elementwise_node::<B, _>(x, ScalarPower { exponent, op })
+    }
+}
+
+impl Elementwise for ScalarPower {
+    fn forward<X: Backend>(self, x: FloatTensor<X>) -> FloatTensor<X> {
+        power::<X>(x, self.exponent, |x, exponent| match self.op {
+            PowerOp::Powf => X::float_powf_scalar(x, exponent),
+            PowerOp::PowfImpl => X::float_powf_scalar_impl(x, exponent),
+            PowerOp::Powi => X::float_powi_scalar(x, exponent),
+            PowerOp::PowiImpl => X::float_powi_scalar_impl(x, exponent),
+        })
+    }
+
+    fn backward<X: Backend>(self, x: FloatTensor<X>, grad: FloatTensor<X>) -> FloatTensor<X> {
+        let p = self.exponent.elem::<f64>();
+        if p == 0.0 {
+            return X::float_zeros(grad.shape(), &X::float_device(&grad), grad.dtype().into());
+        }
+        let exponent = match self.exponent {
+            Scalar::Int(p) => Scalar::Int(p - 1),
+            _ => Scalar::Float(p - 1.0),
+        };
+        let below = ScalarPower { exponent, ..self }.forward::<X>(x);
+        X::float_mul(grad, X::float_mul_scalar(below, Scalar::Float(p)))
+    }
 }
 
 pub(crate) fn float_cummax<B: Backend>(tensor: FloatTensor<B>, dim: usize) -> FloatTensor<B> {
