@@ -165,6 +165,16 @@ fn at_precision<T: Target>() -> Vec<(&'static str, AtPrecision<T>)> {
     ]
 }
 
+/// f32 and the dtypes of `lows`: an op's input in f32, or made by a lowered op.
+fn f32_and(lows: &[Precision]) -> Vec<DType> {
+    std::iter::once(DType::F32)
+        .chain(
+            lows.iter()
+                .map(|p| p.low_dtype().expect("a low precision").into()),
+        )
+        .collect()
+}
+
 /// Runs the numerics part's `steps` (those from where an earlier process stopped) within
 /// `budget`, random graphs on at most `seeds` seeds (while time lasts without it); returns how
 /// many cases failed, or where to go on when a case ended the device's stream.
@@ -346,12 +356,7 @@ pub fn run<T: Target>(
             "NaN propagation (Burn's kernels turn a NaN into a number in some ops)",
             Box::new(|| {
                 // An f32 input, and half ones (a lowered op's output).
-                let dtypes: Vec<DType> = std::iter::once(DType::F32)
-                    .chain(
-                        lows.iter()
-                            .map(|p| p.low_dtype().expect("a low precision").into()),
-                    )
-                    .collect();
+                let dtypes = f32_and(lows);
                 let mut ops = 0;
                 for &dtype in &dtypes {
                     let checks = {
@@ -399,13 +404,16 @@ pub fn run<T: Target>(
                 }
                 infinities::cosine_similarity_of_a_zero_row::<F<T>>(device);
                 infinities::negative_powers::<F<T>>(device);
+                let dtypes = f32_and(lows);
+                infinities::extremes_of_infinite_rows::<F<T>>(device, &dtypes);
                 ok(
                     "log_sigmoid(-inf) = -inf, gradient 1 (also beside x · c); elu, celu, selu, \
                     mish from -3 to 30000, values and gradients within 2e-2 of PyTorch's (1e-5 \
                     at f32), exp's +inf gradient kept where it reached the loss; binary \
                     cross-entropy on probabilities of 0 and 1: PyTorch's loss and gradient; \
                     cosine similarity of a zero row: a finite gradient; negative powers of \
-                    negative and zero bases, values and gradients as Flex's (IEEE's)",
+                    negative and zero bases, values and gradients as Flex's (IEEE's); the \
+                    maximum of a row of -inf is -inf",
                 )
             }),
         ),

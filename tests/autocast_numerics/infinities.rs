@@ -516,14 +516,59 @@ fn exp_behind_a_mask_wgpu() {
     thresholded_softplus::<Wgpu>(&device);
 }
 
-/// Canary of a defect not worked around (README, Defects): CubeCL's maximum of a row of
-/// `-inf` (and minimum of `+inf`) is the dtype's lowest (highest) finite value, in f32 and
-/// f16; Flex's is the infinity, as is CubeCL's `max_dim_with_indices`. Fails once Burn fixes it.
+/// Maxima of rows of `-inf` and minima of rows of `+inf` under `Amp` on `B`, below and above
+/// autodiff, the input in each of `dtypes`: the infinity (PyTorch's, Flex's; CubeCL's kernels
+/// give the dtype's lowest or highest finite value, `nan::extreme`), beside a row with a NaN
+/// (NaN) and one with a number (the number).
+pub(crate) fn extremes_of_infinite_rows<B: Backend>(device: &B::Device, dtypes: &[DType]) {
+    fn extremes<B: Backend>(device: &B::Device, dtype: DType) -> Vec<f32> {
+        let (nan, ninf) = (f32::NAN, f32::NEG_INFINITY);
+        let rows = [[1.0, ninf], [ninf, ninf], [nan, ninf]];
+        let x = Tensor::<B, 2>::from_floats(rows, device).cast(dtype);
+        [
+            values(x.clone().max_dim(1)),
+            values(x.clone().slice([1..2, 0..2]).max()),
+            values(x.clone().neg().min_dim(1)),
+            values(x.neg().slice([1..2, 0..2]).min()),
+        ]
+        .concat()
+    }
+    let (nan, inf) = (f32::NAN, f32::INFINITY);
+    let want = [1.0, -inf, nan, -inf, -1.0, inf, nan, inf];
+    let same = |got: &[f32]| {
+        got.len() == want.len()
+            && got
+                .iter()
+                .zip(want)
+                .all(|(g, w)| *g == w || (g.is_nan() && w.is_nan()))
+    };
+    let _g = autocast(Precision::F16);
+    for &dtype in dtypes {
+        let got = extremes::<Amp<B>>(device, dtype);
+        assert!(same(&got), "Amp, {dtype:?}: {got:?}, want {want:?}");
+        let got = extremes::<Amp<Autodiff<B>>>(device, dtype);
+        assert!(
+            same(&got),
+            "above autodiff, {dtype:?}: {got:?}, want {want:?}"
+        );
+    }
+}
+
+#[test]
+fn extremes_of_infinite_rows_flex() {
+    let dtypes = [DType::F32, DType::F16, DType::BF16];
+    extremes_of_infinite_rows::<Flex>(&Default::default(), &dtypes);
+}
+
+/// Plain CubeCL's maximum of a row of `-inf` (and minimum of `+inf`) is the dtype's lowest
+/// (highest) finite value, in f32 and f16; Flex's is the infinity, as is CubeCL's
+/// `max_dim_with_indices`, and `Amp`'s. Plain wgpu is a canary: it fails once Burn fixes it.
 #[test]
 fn max_of_a_row_of_minus_infinity_wgpu() {
     let Some(device) = common::wgpu_device() else {
         return;
     };
+    extremes_of_infinite_rows::<Wgpu>(&device, &[DType::F32, DType::F16]);
     let ninf = f32::NEG_INFINITY;
     let rows = [[1.0, ninf], [ninf, ninf]];
     for (dtype, lowest) in [(DType::F32, f32::MIN), (DType::F16, -65504.0)] {

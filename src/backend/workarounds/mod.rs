@@ -51,7 +51,8 @@
 //! **A NaN turned into a number** by Flex's `relu`, clamps, maxima and max pools, by CubeCL's
 //! `sigmoid`, `clamp`, maxima, max pools, scans, powers, `atan2` and `topk` (hidden from the
 //! loss scaler): `Amp` puts it back into the op's value, and ranks it first for a top-k
-//! ([`nan`]). **A NaN made from an infinity** by Burn's default `log_sigmoid` at `-inf`
+//! ([`nan`]); it also gives the maximum of a row of `-inf` (CubeCL: the lowest finite value)
+//! its `-inf`. **A NaN made from an infinity** by Burn's default `log_sigmoid` at `-inf`
 //! (CubeCL's), value and gradient, by `exp`'s backward behind a mask (`elu`, `selu`, `celu`,
 //! `mish` above 88.7) and by `log`'s and `log1p`'s behind a clamp (burn-nn's binary
 //! cross-entropy on a probability of 0 or 1): `Amp` runs `log_sigmoid` on a finite stand-in

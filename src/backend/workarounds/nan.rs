@@ -103,6 +103,28 @@ pub(crate) fn reduced<B: Backend>(
     with_nan::<B>(op(x), at)
 }
 
+/// A maximum or minimum along `dim` (keeping it) or of everything ([`reduced`]), with
+/// `infinity` (`-inf` for a maximum, `+inf` for a minimum) where every element reduced is
+/// that infinity: CubeCL's kernels start from the dtype's lowest (highest) finite value and
+/// return it for a row of `-inf` (`+inf`); Flex and PyTorch return the infinity. One more
+/// reduction, of a mask, off Flex.
+pub(crate) fn extreme<B: Backend>(
+    x: FloatTensor<B>,
+    dim: Option<usize>,
+    infinity: f64,
+    op: impl FnOnce(FloatTensor<B>) -> FloatTensor<B>,
+) -> FloatTensor<B> {
+    if super::on_flex::<B>() {
+        return reduced::<B>(x, dim, op);
+    }
+    let at = equal_at::<B>(&x, infinity);
+    let all = match dim {
+        Some(dim) => B::bool_all_dim(at, dim),
+        None => B::bool_all(at),
+    };
+    with_value::<B>(reduced::<B>(x, dim, op), all, infinity)
+}
+
 /// Indices along `dim` of a maximum or minimum of `x`: where a row holds a NaN, its first NaN's.
 pub(crate) fn indices<B: Backend>(
     x: &FloatTensor<B>,

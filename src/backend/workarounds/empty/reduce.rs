@@ -156,7 +156,14 @@ macro_rules! float_extremes {
             let dim = None$(.or(Some($dim)))?;
             match without_identity(&tensor.shape(), dim, $op) {
                 Some(out) => empty_like::<B>(tensor, out),
-                None => nan::reduced::<B>(tensor, dim, |t| B::$name(t, $($dim)?)),
+                None => {
+                    let op = |t| B::$name(t, $($dim)?);
+                    match $op {
+                        "max" => nan::extreme::<B>(tensor, dim, f64::NEG_INFINITY, op),
+                        "min" => nan::extreme::<B>(tensor, dim, f64::INFINITY, op),
+                        _ => nan::reduced::<B>(tensor, dim, op),
+                    }
+                }
             }
         }
     )*};
