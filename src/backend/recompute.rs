@@ -165,6 +165,7 @@ macro_rules! recomputed_ops {
                     | Op::log_sigmoid
                     | Op::relu
                     | Op::sigmoid
+                    | Op::float_powf
                     | Op::float_powf_scalar
                     | Op::float_powf_scalar_impl
                     | Op::float_powi_scalar
@@ -214,7 +215,6 @@ recomputed_ops! {
     FloatTensorOps::float_div(t lhs, t rhs);
     FloatTensorOps::float_remainder(t lhs, t rhs);
     FloatTensorOps::float_atan2(t lhs, t rhs);
-    FloatTensorOps::float_powf(t lhs, t rhs);
     FloatTensorOps::float_recip(t tensor);
     FloatTensorOps::float_abs(t tensor);
     FloatTensorOps::float_cos(t tensor);

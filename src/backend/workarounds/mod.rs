@@ -105,6 +105,7 @@ mod nd;
 mod negative_powers;
 mod opmath;
 mod pooling;
+mod powers;
 mod products;
 mod repeat;
 mod scalars;
@@ -148,11 +149,14 @@ pub(crate) use int_pow::{int_powi, int_powi_scalar, int_powi_scalar as int_powi_
 pub(crate) use interpolate::interpolate_backward;
 pub(crate) use nan::{
     float_atan2, float_clamp, float_clamp_max, float_clamp_min, float_cummax, float_cummin,
-    float_powf, float_powf_scalar, float_powf_scalar_impl, float_powi_scalar,
-    float_powi_scalar_impl, hard_sigmoid, relu, sigmoid,
+    hard_sigmoid, relu, sigmoid,
 };
 pub(crate) use opmath::{float_asinh, float_tanh, gelu, gelu_backward};
 pub(crate) use pooling::{avg_pool1d, avg_pool2d_backward};
+pub(crate) use powers::{
+    float_powf, float_powf_scalar, float_powf_scalar_impl, float_powi_scalar,
+    float_powi_scalar_impl,
+};
 pub(crate) use products::float_cumprod;
 pub(crate) use scalars::{
     float_add_scalar, float_div_scalar, float_mask_fill, float_mul_scalar, float_remainder_scalar,

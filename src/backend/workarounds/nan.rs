@@ -14,10 +14,9 @@
 //! the value is replaced inside the op's own tensor, so the graph is the one the op built:
 //! nothing more kept, no node added, the same gradients (under an autodiff backend `Amp` does
 //! not list, the fill is an op of its own, whose gradient is 0 where it fills: hence fills
-//! only where an input is NaN). `relu`, `sigmoid` and the scalar powers are nodes of `Amp`'s
-//! own instead, whose recomputation in the backward fills the NaN again ([`Activation`],
-//! [`ScalarPower`]). The input gradient of CubeCL's `powf` with a tensor exponent stays
-//! burn-autodiff's, 0 at a NaN (PyTorch's: NaN). A few elementwise kernels more per op
+//! only where an input is NaN). `relu`, `sigmoid` and the powers are nodes of `Amp`'s own
+//! instead, whose recomputation in the backward fills the NaN again ([`Activation`],
+//! [`powers`](super::powers)). A few elementwise kernels more per op
 //! (`is_nan`, a fill; fused on CubeCL), and an extra pool, reduction or scan of the NaN mask
 //! for those. The indices of a max pool (its backward's) stay the backend's.
 
@@ -272,8 +271,9 @@ pub(crate) fn float_atan2<B: Backend>(lhs: FloatTensor<B>, rhs: FloatTensor<B>) 
 /// `lhs` to the power `rhs`, IEEE's `pow` (and PyTorch's) where a NaN is in: NaN where `lhs`
 /// is, but 1 for the 0th power (CubeCL gives 0 for `NaN^0.5`); NaN where `rhs` is, but 1 for
 /// a base of 1 (CubeCL: NaN). Both fills only touch elements with a NaN input: on a backend
-/// `Amp` does not list, a fill is a tracked op whose gradient is 0 where it fills.
-pub(crate) fn float_powf<B: Backend>(lhs: FloatTensor<B>, rhs: FloatTensor<B>) -> FloatTensor<B> {
+/// `Amp` does not list, a fill is a tracked op whose gradient is 0 where it fills. The value
+/// of [`powers`](super::powers)' node.
+pub(super) fn powf<B: Backend>(lhs: FloatTensor<B>, rhs: FloatTensor<B>) -> FloatTensor<B> {
     let is = |x: &FloatTensor<B>, value: f64| ones_at::<B>(&lhs, equal_at::<B>(x, value));
     let (zeroth, of_one) = (is(&rhs, 0.0), is(&lhs, 1.0));
     let (nan_base, nan_exponent) = (
@@ -306,7 +306,8 @@ pub(crate) fn nan_ranked_first<B: Backend>(tensor: FloatTensor<B>) -> FloatTenso
 
 /// `op`, a power of `tensor` to `exponent`: NaN where `tensor` is, but for the 0th power (1,
 /// IEEE's `pow` and PyTorch's); a negative one [as a reciprocal](negative_powers) on wgpu.
-fn power<B: Backend>(
+/// The value of [`powers`](super::powers)' node.
+pub(super) fn power<B: Backend>(
     tensor: FloatTensor<B>,
     exponent: Scalar,
     op: impl FnOnce(FloatTensor<B>, Scalar) -> FloatTensor<B>,
@@ -315,84 +316,6 @@ fn power<B: Backend>(
     match exponent.elem::<f64>() == 0.0 {
         true => op(tensor),
         false => elementwise::<B>(tensor, op),
-    }
-}
-
-pub(crate) fn float_powf_scalar<B: Backend>(
-    tensor: FloatTensor<B>,
-    value: Scalar,
-) -> FloatTensor<B> {
-    ScalarPower::node::<B>(tensor, value, PowerOp::Powf)
-}
-
-pub(crate) fn float_powf_scalar_impl<B: Backend>(
-    tensor: FloatTensor<B>,
-    value: Scalar,
-) -> FloatTensor<B> {
-    ScalarPower::node::<B>(tensor, value, PowerOp::PowfImpl)
-}
-
-pub(crate) fn float_powi_scalar<B: Backend>(lhs: FloatTensor<B>, rhs: Scalar) -> FloatTensor<B> {
-    ScalarPower::node::<B>(lhs, rhs, PowerOp::Powi)
-}
-
-pub(crate) fn float_powi_scalar_impl<B: Backend>(
-    lhs: FloatTensor<B>,
-    rhs: Scalar,
-) -> FloatTensor<B> {
-    ScalarPower::node::<B>(lhs, rhs, PowerOp::PowiImpl)
-}
-
-/// Which of the backend's scalar powers runs: each keeps its kernels (the dispatchers pick a
-/// product or a reciprocal for small integer exponents).
-#[derive(Debug, Clone, Copy)]
-enum PowerOp {
-    Powf,
-    PowfImpl,
-    Powi,
-    PowiImpl,
-}
-
-/// `x` to a scalar exponent, NaN where `x` is ([`power`]), as a node of `Amp`'s own above a
-/// listed autodiff backend, for the reason [`Activation`] is one: burn-autodiff's is
-/// memory-bound, recomputed with the backend's kernel, which hides the NaN again on CubeCL
-/// (measured on wgpu under balanced checkpointing: `w`'s gradient in `x^0.5 · w` and `x^3 · w`
-/// a number). Its backward is burn-autodiff's, `p · x^(p-1)`, with the forward's NaN rule
-/// (PyTorch's: NaN at a NaN, where CubeCL's kernel gave 0), and 0 for `p = 0` (PyTorch's;
-/// Burn's gives the 0th power no gradient at all).
-#[derive(Debug, Clone, Copy)]
-struct ScalarPower {
-    exponent: Scalar,
-    op: PowerOp,
-}
-
-impl ScalarPower {
-    fn node<B: Backend>(x: FloatTensor<B>, exponent: Scalar, op: PowerOp) -> FloatTensor<B> {
-        elementwise_node::<B, _>(x, ScalarPower { exponent, op })
-    }
-}
-
-impl Elementwise for ScalarPower {
-    fn forward<X: Backend>(self, x: FloatTensor<X>) -> FloatTensor<X> {
-        power::<X>(x, self.exponent, |x, exponent| match self.op {
-            PowerOp::Powf => X::float_powf_scalar(x, exponent),
-            PowerOp::PowfImpl => X::float_powf_scalar_impl(x, exponent),
-            PowerOp::Powi => X::float_powi_scalar(x, exponent),
-            PowerOp::PowiImpl => X::float_powi_scalar_impl(x, exponent),
-        })
-    }
-
-    fn backward<X: Backend>(self, x: FloatTensor<X>, grad: FloatTensor<X>) -> FloatTensor<X> {
-        let p = self.exponent.elem::<f64>();
-        if p == 0.0 {
-            return X::float_zeros(grad.shape(), &X::float_device(&grad), grad.dtype().into());
-        }
-        let exponent = match self.exponent {
-            Scalar::Int(p) => Scalar::Int(p - 1),
-            _ => Scalar::Float(p - 1.0),
-        };
-        let below = ScalarPower { exponent, ..self }.forward::<X>(x);
-        X::float_mul(grad, X::float_mul_scalar(below, Scalar::Float(p)))
     }
 }
 
