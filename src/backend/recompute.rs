@@ -149,9 +149,9 @@ macro_rules! recomputed_ops {
         /// The ops recomputed here: burn-autodiff 0.21's memory-bound ops that keep every
         /// tracked input for their backward (so a recipe of them keeps nothing more), and
         /// softmax and log-softmax; `exp`, `log`, `log1p`, `sqrt` and `log_sigmoid` (for
-        /// their backward at an infinity), `relu`, `sigmoid` and the scalar powers (for a NaN
-        /// that survives the recomputation) are such ops too, whose nodes `Amp` builds itself
-        /// under the same strategy.
+        /// their backward at an infinity), `relu`, `sigmoid`, `atan2` and the powers (for a
+        /// NaN that survives the recomputation) are such ops too, whose nodes `Amp` builds
+        /// itself under the same strategy.
         pub const fn is_recomputed(op: Op) -> bool {
             matches!(
                 op,
@@ -165,6 +165,7 @@ macro_rules! recomputed_ops {
                     | Op::log_sigmoid
                     | Op::relu
                     | Op::sigmoid
+                    | Op::float_atan2
                     | Op::float_powf
                     | Op::float_powf_scalar
                     | Op::float_powf_scalar_impl
@@ -214,7 +215,6 @@ recomputed_ops! {
     FloatTensorOps::float_mul(t lhs, t rhs);
     FloatTensorOps::float_div(t lhs, t rhs);
     FloatTensorOps::float_remainder(t lhs, t rhs);
-    FloatTensorOps::float_atan2(t lhs, t rhs);
     FloatTensorOps::float_recip(t tensor);
     FloatTensorOps::float_abs(t tensor);
     FloatTensorOps::float_cos(t tensor);

@@ -25,10 +25,9 @@ use burn_backend::tensor::{BoolTensor, FloatTensor, IntTensor};
 use burn_backend::{Backend, Scalar, TensorMetadata, get_device_settings};
 use burn_std::{BoolDType, IntDType};
 
-use super::elementwise_node::{Elementwise, elementwise_node};
+use super::elementwise_node::{BinaryElementwise, Elementwise, binary_node, elementwise_node};
 use super::negative_powers;
 use crate::backend::concrete::{AutodiffTensor, Visit, dispatch, moved};
-use crate::backend::recompute;
 
 /// The bool dtype of `x`'s device.
 pub(super) fn bools<B: Backend>(x: &FloatTensor<B>) -> BoolDType {
@@ -261,11 +260,52 @@ fn either<B: Backend>(a: FloatTensor<B>, b: FloatTensor<B>) -> BoolTensor<B> {
 
 /// `atan2(lhs, rhs)`: NaN where either is (CubeCL gives 0).
 pub(crate) fn float_atan2<B: Backend>(lhs: FloatTensor<B>, rhs: FloatTensor<B>) -> FloatTensor<B> {
-    let at = either::<B>(
-        ones_at::<B>(&lhs, nan_at::<B>(&lhs)),
-        ones_at::<B>(&lhs, nan_at::<B>(&rhs)),
-    );
-    with_nan::<B>(recompute::float_atan2::<B>(lhs, rhs), at)
+    binary_node::<B, _>(lhs, rhs, Atan2)
+}
+
+/// `atan2(y, x)` with its NaN, as a node of `Amp`'s own for the reason [`Activation`] is one:
+/// on wgpu Burn's recomputation happened to keep the NaN (the kernel fused with the product
+/// that reads it back), which nothing promises on another backend or grouping. The backward
+/// is Burn's and PyTorch's, `x / (x² + y²)` and `-y / (x² + y²)`, with squares as products
+/// (CubeCL's `powi_scalar` turns a NaN into 0).
+#[derive(Debug, Clone, Copy)]
+struct Atan2;
+
+impl Atan2 {
+    /// `x² + y²`, broadcast.
+    fn squared_norm<X: Backend>(y: FloatTensor<X>, x: FloatTensor<X>) -> FloatTensor<X> {
+        X::float_add(X::float_mul(x.clone(), x), X::float_mul(y.clone(), y))
+    }
+}
+
+impl BinaryElementwise for Atan2 {
+    fn forward<X: Backend>(self, y: FloatTensor<X>, x: FloatTensor<X>) -> FloatTensor<X> {
+        let at = either::<X>(
+            ones_at::<X>(&y, nan_at::<X>(&y)),
+            ones_at::<X>(&y, nan_at::<X>(&x)),
+        );
+        X::float_mask_fill(X::float_atan2(y, x), at, Scalar::Float(f64::NAN))
+    }
+
+    fn backward_lhs<X: Backend>(
+        self,
+        y: FloatTensor<X>,
+        x: FloatTensor<X>,
+        grad: FloatTensor<X>,
+    ) -> FloatTensor<X> {
+        let norm = Self::squared_norm::<X>(y, x.clone());
+        X::float_mul(grad, X::float_div(x, norm))
+    }
+
+    fn backward_rhs<X: Backend>(
+        self,
+        y: FloatTensor<X>,
+        x: FloatTensor<X>,
+        grad: FloatTensor<X>,
+    ) -> FloatTensor<X> {
+        let norm = Self::squared_norm::<X>(y.clone(), x);
+        X::float_mul(grad, X::float_neg(X::float_div(y, norm)))
+    }
 }
 
 /// `lhs` to the power `rhs`, IEEE's `pow` (and PyTorch's) where a NaN is in: NaN where `lhs`

@@ -13,7 +13,7 @@
 //! From f32 leaves under autocast, the same truth checks the policy: what it keeps in f32
 //! backpropagates in f32, what it lowers within half precision's rounding.
 //!
-//! `ops.rs`: 105 float ops of Burn 0.21 one by one (unary, binary with broadcasting,
+//! `ops.rs`: 106 float ops of Burn 0.21 one by one (unary, binary with broadcasting,
 //! reductions, scans, sorting, shape and indexing ops, every module op); the random graphs
 //! (`random_graphs/gradients.rs`): compositions.
 
