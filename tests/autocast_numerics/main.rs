@@ -61,6 +61,7 @@ mod products;
 mod random_graphs;
 mod random_pools;
 mod recompute;
+mod remainder;
 mod repeat;
 mod scalars;
 mod shared_casts;

@@ -6,7 +6,7 @@
 //! canary; gradients through `x / s` too. Last, a mask fill past the half range is the
 //! range's end, not an infinity.
 
-use burn::backend::Autodiff;
+use burn::backend::{Autodiff, Flex};
 use burn::tensor::TensorData;
 use burn_amp::{Amp, autocast};
 
@@ -24,7 +24,9 @@ fn ops<B: Backend>() -> [(&'static str, Binary<B>, Host); 5] {
         ("mul", |x, s| x.mul_scalar(s), Some(|x, s| x * s)),
         ("div", |x, s| x.div_scalar(s), Some(|x, s| x / s)),
         // Flex's own f32 remainder is `((x % s) + s) % s`, 0 for `0.001 % 2^20` (a defect of
-        // its own, not this one): the reference is the backend's f32 op.
+        // its own, `remainder.rs`: `Amp` computes it exactly there) and CubeCL's
+        // `x - s · floor(x / s)` in f32: the reference is PyTorch's (`python_mod`) on Flex,
+        // the backend's f32 op on wgpu.
         ("remainder", |x, s| x.remainder_scalar(s), None),
     ]
 }
@@ -70,6 +72,10 @@ fn check<B: Backend>(device: &B::Device, precision: Precision) {
         for s in SCALARS {
             let want: Vec<f32> = match host {
                 Some(host) => xs.iter().map(|&x| host(x, s)).collect(),
+                None if core::any::TypeId::of::<B>() == core::any::TypeId::of::<Flex>() => xs
+                    .iter()
+                    .map(|&x| super::remainder::python_mod(x as f64, s as f64) as f32)
+                    .collect(),
                 None => values(op_plain::<B>(name)(
                     Tensor::from_data(TensorData::new(xs.clone(), [xs.len()]), device),
                     s,

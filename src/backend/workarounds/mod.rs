@@ -52,7 +52,10 @@
 //! `sigmoid`, `clamp`, maxima, max pools, scans, powers, `atan2` and `topk` (hidden from the
 //! loss scaler): `Amp` puts it back into the op's value, and ranks it first for a top-k
 //! ([`nan`]); it also gives the maximum of a row of `-inf` (CubeCL: the lowest finite value)
-//! its `-inf`. **A NaN made from an infinity** by Burn's default `log_sigmoid` at `-inf`
+//! its `-inf`. **A power's gradient at a zero base is NaN** (burn-autodiff's bare formulas):
+//! `Amp`'s powers are nodes with PyTorch's backward ([`powers`]). **Flex's remainder rounds
+//! to the divisor's precision** (`0.001 % 2π` 7e-5 off): on Flex `Amp` computes it in f64
+//! ([`remainder`]). **A NaN made from an infinity** by Burn's default `log_sigmoid` at `-inf`
 //! (CubeCL's), value and gradient, by `exp`'s backward behind a mask (`elu`, `selu`, `celu`,
 //! `mish` above 88.7) and by `log`'s and `log1p`'s behind a clamp (burn-nn's binary
 //! cross-entropy on a probability of 0 or 1): `Amp` runs `log_sigmoid` on a finite stand-in
@@ -107,6 +110,7 @@ mod opmath;
 mod pooling;
 mod powers;
 mod products;
+mod remainder;
 mod repeat;
 mod scalars;
 
@@ -158,9 +162,9 @@ pub(crate) use powers::{
     float_powi_scalar_impl,
 };
 pub(crate) use products::float_cumprod;
+pub(crate) use remainder::{float_remainder, float_remainder_scalar};
 pub(crate) use scalars::{
-    float_add_scalar, float_div_scalar, float_mask_fill, float_mul_scalar, float_remainder_scalar,
-    float_sub_scalar,
+    float_add_scalar, float_div_scalar, float_mask_fill, float_mul_scalar, float_sub_scalar,
 };
 
 use core::any::TypeId;
@@ -247,8 +251,17 @@ fn in_f32<B: Backend, const N: usize>(
     inputs: [FloatTensor<B>; N],
     op: impl FnOnce([FloatTensor<B>; N]) -> FloatTensor<B>,
 ) -> FloatTensor<B> {
+    widened::<B, N>(inputs, FloatDType::F32, op)
+}
+
+/// `op` on `inputs` cast to `wide`, the result rounded back to the first one's dtype.
+fn widened<B: Backend, const N: usize>(
+    inputs: [FloatTensor<B>; N],
+    wide: FloatDType,
+    op: impl FnOnce([FloatTensor<B>; N]) -> FloatTensor<B>,
+) -> FloatTensor<B> {
     let dtype = FloatDType::from(inputs[0].dtype());
-    let inputs = inputs.map(|t| B::float_cast(t, FloatDType::F32));
+    let inputs = inputs.map(|t| B::float_cast(t, wide));
     B::float_cast(op(inputs), dtype)
 }
 

@@ -12,7 +12,7 @@
 //! A mask fill's value past the half dtype's range is its largest finite value of that sign
 //! ([`float_mask_fill`]).
 //!
-//! `x % s` always (see [`float_remainder_scalar`]); the others only where `s` is not exact in
+//! `x % s` always (see [`remainder`](super::remainder)); the others only where `s` is not exact in
 //! the tensor's dtype: otherwise the half op already gives the
 //! f32 result rounded once (the product of two half values is exact in f32), and runs as it
 //! did. A clamp bound or a comparison's threshold needs nothing: rounding is monotone, so a
@@ -64,20 +64,6 @@ pub(crate) fn float_mul_scalar<B: Backend>(lhs: FloatTensor<B>, rhs: Scalar) -> 
 
 pub(crate) fn float_div_scalar<B: Backend>(lhs: FloatTensor<B>, rhs: Scalar) -> FloatTensor<B> {
     with_scalar::<B>(lhs, rhs, B::float_div_scalar)
-}
-
-/// In f32 for every scalar: CubeCL computes `x - s · floor(x / s)` in the half dtype, where
-/// `x / s` overflows (f16 `40000 % 0.5` was -inf on wgpu).
-pub(crate) fn float_remainder_scalar<B: Backend>(
-    lhs: FloatTensor<B>,
-    rhs: Scalar,
-) -> FloatTensor<B> {
-    match lhs.dtype() {
-        DType::F16 | DType::BF16 => {
-            super::in_f32::<B, 1>([lhs], |[t]| B::float_remainder_scalar(t, rhs))
-        }
-        _ => B::float_remainder_scalar(lhs, rhs),
-    }
 }
 
 /// `value` where `mask` is set: a finite value past the half dtype's range (an attention mask

@@ -244,12 +244,14 @@ pub(crate) fn savings_change_no_value_on<X: Backend>(
     // `interpolate.rs`): over Burn 0.21's fusion, a broadcast per-row pick; on Flex, a
     // bias's gradient summed from a transposed view; on CubeCL, a bilinear interpolation
     // has no backward (a panic); everywhere, `repeat_dim`'s gradient (the adaptive pool's
-    // output tiled back, `repeat.rs`). No reference there.
+    // output tiled back, `repeat.rs`); on Flex, a remainder's low bits (`remainder.rs`), a
+    // whole divisor apart next to a multiple of it. No reference there.
     let backend = core::any::type_name::<X>();
     let plain_wrong = |op: Op| match op {
         Op::Argmax => backend.contains("Fusion"),
         Op::TransposedBiasCat => backend.contains("Flex"),
         Op::Interpolate => backend.contains("CubeBackend"),
+        Op::Remainder => backend.contains("Flex"),
         Op::AdaptivePool => true,
         _ => false,
     };
