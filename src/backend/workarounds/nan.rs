@@ -14,9 +14,9 @@
 //! the value is replaced inside the op's own tensor, so the graph is the one the op built:
 //! nothing more kept, no node added, the same gradients (under an autodiff backend `Amp` does
 //! not list, the fill is an op of its own, whose gradient is 0 where it fills: hence fills
-//! only where an input is NaN). `relu`, `sigmoid` and the powers are nodes of `Amp`'s own
-//! instead, whose recomputation in the backward fills the NaN again ([`Activation`],
-//! [`powers`](super::powers)). A few elementwise kernels more per op
+//! only where an input is NaN). `relu`, `sigmoid`, `atan2` and the powers are nodes of
+//! `Amp`'s own instead, whose recomputation in the backward fills the NaN again
+//! ([`Activation`], [`Atan2`], [`powers`](super::powers)). A few elementwise kernels more per op
 //! (`is_nan`, a fill; fused on CubeCL), and an extra pool, reduction or scan of the NaN mask
 //! for those. The indices of a max pool (its backward's) stay the backend's.
 
