@@ -131,21 +131,11 @@ pub(crate) fn keeps_input(op: Op) -> bool {
     matches!(op, Op::softmax | Op::log_softmax) && active()
 }
 
-/// The type of an argument of an op below: a tensor (`t`), or another (`a`, passed as is).
-macro_rules! arg_type {
-    (t $tensor:ty) => {
-        $tensor
-    };
-    (a $tensor:ty, $other:ty) => {
-        $other
-    };
-}
-
 /// One function per op: `B`'s op, run as `Autodiff<X, BalancedCheckpointing>`'s when `B` is a
 /// listed `Autodiff<X, _>` and recomputation is active (the tensor type is the same under
 /// either strategy: only how the node is built differs).
 macro_rules! recomputed_ops {
-    ($($ops:ident :: $name:ident($($kind:ident $arg:ident $(: $ty:ty)?),*);)*) => {
+    ($($ops:ident :: $name:ident($($arg:ident),*);)*) => {
         /// The ops recomputed here: burn-autodiff 0.21's memory-bound ops that keep every
         /// tracked input for their backward (so a recipe of them keeps nothing more), and
         /// softmax and log-softmax; `exp`, `log`, `log1p`, `sqrt` and `log_sigmoid` (for
@@ -175,20 +165,19 @@ macro_rules! recomputed_ops {
         }
         $(
         #[inline]
-        pub(crate) fn $name<B: Backend>($($arg: arg_type!($kind FloatTensor<B> $(, $ty)?)),*) -> FloatTensor<B> {
+        pub(crate) fn $name<B: Backend>($($arg: FloatTensor<B>),*) -> FloatTensor<B> {
             if !active() {
                 return B::$name($($arg),*);
             }
             #[allow(non_camel_case_types)]
             struct Call<P> {
-                $($arg: arg_type!($kind P $(, $ty)?)),*
+                $($arg: P),*
             }
             impl<P: 'static> Visit for Call<P> {
                 type Out = P;
                 fn visit<X: Backend, C: CheckpointStrategy>(self) -> P {
-                    $(recomputed_ops!(@bind $kind $arg self.$arg);)*
-                    let inputs = [$(recomputed_ops!(@input $kind $arg)),*];
-                    moved(match chain_depth::<X>(inputs.into_iter().flatten()) {
+                    $(let $arg: AutodiffTensor<X> = moved(self.$arg);)*
+                    moved(match chain_depth::<X>([$(&$arg),*]) {
                         Some(depth) => {
                             let out = <Autodiff<X, BalancedCheckpointing> as $ops<Autodiff<X, BalancedCheckpointing>>>::$name($($arg),*);
                             record(&out, depth);
@@ -205,32 +194,28 @@ macro_rules! recomputed_ops {
         }
     )*
     };
-    (@bind t $arg:ident $value:expr) => { let $arg: AutodiffTensor<X> = moved($value); };
-    (@bind a $arg:ident $value:expr) => { let $arg = $value; };
-    (@input t $arg:ident) => { Some(&$arg) };
-    (@input a $arg:ident) => { None };
 }
 
 recomputed_ops! {
-    FloatTensorOps::float_mul(t lhs, t rhs);
-    FloatTensorOps::float_div(t lhs, t rhs);
-    FloatTensorOps::float_remainder(t lhs, t rhs);
-    FloatTensorOps::float_recip(t tensor);
-    FloatTensorOps::float_abs(t tensor);
-    FloatTensorOps::float_cos(t tensor);
-    FloatTensorOps::float_sin(t tensor);
-    FloatTensorOps::float_tan(t tensor);
-    FloatTensorOps::float_tanh(t tensor);
-    FloatTensorOps::float_cosh(t tensor);
-    FloatTensorOps::float_sinh(t tensor);
-    FloatTensorOps::float_asin(t tensor);
-    FloatTensorOps::float_acos(t tensor);
-    FloatTensorOps::float_atan(t tensor);
-    FloatTensorOps::float_asinh(t tensor);
-    FloatTensorOps::float_acosh(t tensor);
-    FloatTensorOps::float_atanh(t tensor);
-    FloatTensorOps::float_erf(t tensor);
-    ActivationOps::gelu(t tensor);
+    FloatTensorOps::float_mul(lhs, rhs);
+    FloatTensorOps::float_div(lhs, rhs);
+    FloatTensorOps::float_remainder(lhs, rhs);
+    FloatTensorOps::float_recip(tensor);
+    FloatTensorOps::float_abs(tensor);
+    FloatTensorOps::float_cos(tensor);
+    FloatTensorOps::float_sin(tensor);
+    FloatTensorOps::float_tan(tensor);
+    FloatTensorOps::float_tanh(tensor);
+    FloatTensorOps::float_cosh(tensor);
+    FloatTensorOps::float_sinh(tensor);
+    FloatTensorOps::float_asin(tensor);
+    FloatTensorOps::float_acos(tensor);
+    FloatTensorOps::float_atan(tensor);
+    FloatTensorOps::float_asinh(tensor);
+    FloatTensorOps::float_acosh(tensor);
+    FloatTensorOps::float_atanh(tensor);
+    FloatTensorOps::float_erf(tensor);
+    ActivationOps::gelu(tensor);
 }
 
 /// `softmax` along `dim` as one node (see the module docs).

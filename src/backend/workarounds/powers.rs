@@ -126,20 +126,19 @@ impl BinaryElementwise for TensorPower {
         r: FloatTensor<X>,
         grad: FloatTensor<X>,
     ) -> FloatTensor<X> {
-        let at = zero_base::<X>(&x, &r);
+        let (zero, nonnegative) = (equal_at::<X>(&x, 0.0), nonnegative_at::<X>(&r));
         let slope = X::float_mul(nan::powf::<X>(x.clone(), r), X::float_log(x));
-        let at = X::bool_expand(at, slope.shape());
+        // `0^r · ln 0` is `0 · -inf` (or `1 · -inf` at `r = 0`), where the derivative's limit
+        // along positive bases is 0 (PyTorch's).
+        let at = X::bool_and(
+            X::bool_expand(zero, slope.shape()),
+            X::bool_expand(nonnegative, slope.shape()),
+        );
         X::float_mul(grad, X::float_mask_fill(slope, at, Scalar::Float(0.0)))
     }
 }
 
-/// Where `x = 0` and `r ≥ 0`, broadcast: `0^r · ln 0` is `0 · -inf` (or `1 · -inf` at `r = 0`),
-/// where the derivative's limit along positive bases is 0 (PyTorch's).
-fn zero_base<X: Backend>(x: &FloatTensor<X>, r: &FloatTensor<X>) -> BoolTensor<X> {
-    let zero = X::bool_into_float(equal_at::<X>(x, 0.0), x.dtype().into());
-    let nonnegative = X::float_greater_equal_elem(r.clone(), Scalar::Float(0.0), bools::<X>(r));
-    let nonnegative = X::bool_into_float(nonnegative, r.dtype().into());
-    // 1 · 1 where both, in the broadcast shape.
-    let both = X::float_mul(zero, nonnegative);
-    X::float_greater_elem(both.clone(), Scalar::Float(0.5), bools::<X>(&both))
+/// Where `r ≥ 0`.
+fn nonnegative_at<X: Backend>(r: &FloatTensor<X>) -> BoolTensor<X> {
+    X::float_greater_equal_elem(r.clone(), Scalar::Float(0.0), bools::<X>(r))
 }

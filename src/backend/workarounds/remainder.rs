@@ -46,10 +46,10 @@ pub(crate) fn float_remainder<B: Backend>(
     }
 }
 
-/// `x - s · floor(x / s)`, plus `s` where its sign still differs from `s`'s (a quotient
-/// rounded up to a whole number), in `x`'s dtype: `quotient` is `x / s`, `s_times(t)` is
-/// `t · s`. A whole quotient of 0 subtracts nothing (`0 · inf` would be NaN: `x % inf` is `x`,
-/// or `inf` for a negative `x`, PyTorch's).
+/// `x - s · floor(x / s)`, or `x - s · (floor(x / s) - 1)` (plus `s`) where the first's sign
+/// still differs from `s`'s (a quotient rounded up to a whole number), in `x`'s dtype:
+/// `quotient` is `x / s`, `s_times(t)` is `t · s`. A whole quotient of 0 subtracts nothing
+/// (`0 · inf` would be NaN: `x % inf` is `x`, or `inf` for a negative `x`, PyTorch's).
 fn python_mod<X: Backend>(
     x: FloatTensor<X>,
     quotient: FloatTensor<X>,
@@ -58,11 +58,11 @@ fn python_mod<X: Backend>(
     let bools = get_device_settings::<X>(&X::float_device(&x)).bool_dtype;
     let whole = X::float_floor(quotient);
     let none = X::float_equal_elem(whole.clone(), Scalar::Float(0.0), bools);
-    let taken = X::float_mask_fill(s_times(whole), none, Scalar::Float(0.0));
-    let r = X::float_sub(x, taken);
-    let ones = X::float_ones(r.shape(), &X::float_device(&r), FloatDType::F64);
+    let taken = X::float_mask_fill(s_times(whole.clone()), none, Scalar::Float(0.0));
+    let r = X::float_sub(x.clone(), taken);
     let wrong = X::float_lower_elem(s_times(r.clone()), Scalar::Float(0.0), bools);
-    let shifted = X::float_add(r.clone(), s_times(ones));
+    let one_less = X::float_sub_scalar(whole, Scalar::Float(1.0));
+    let shifted = X::float_sub(x, s_times(one_less));
     X::float_mask_where(r, wrong, shifted)
 }
 
