@@ -56,6 +56,7 @@ mod modules;
 mod nan_propagation;
 mod opmath;
 mod pooling;
+mod powers;
 mod probabilities;
 mod products;
 mod random_graphs;

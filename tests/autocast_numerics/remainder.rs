@@ -1,6 +1,6 @@
 //! `x % s` to the dtype's precision: PyTorch's remainder (`fmod`, plus `s` where the signs
-//! differ) in f64 on the host, rounded once, against `Amp` on Flex (which computes Flex's
-//! `((x % s) + s) % s` in f64: `src/backend/workarounds/remainder.rs`), values and gradients.
+//! differ) in f64 on the host, rounded once, against `Amp` on Flex (which computes
+//! `x - s·floor(x/s)` in f64: `src/backend/workarounds/remainder.rs`), values and gradients.
 //! Plain Flex computes it in the input's dtype and loses a small remainder's low bits: the
 //! canary.
 
