@@ -2,7 +2,7 @@
 //! - overhead: a forward+backward step under `Amp<Autodiff<Flex>>` with autocast off
 //!   (`Precision::F32`) against `Autodiff<Flex>`, for an MLP and for the TinyLm
 //!   transformer (target: ratio <= 1.03), and for the MLP with ELU (`exp`'s node of `Amp`'s
-//!   own);
+//!   own) and with ReLU (`relu`'s node, which keeps a NaN through recomputation);
 //! - the price of summing f16 matmuls and convolutions in f32 (`half_sums`): a step of two
 //!   3×3 convolutions on wgpu and of the MLP on Flex, against the half sums Burn runs;
 //! - the price of right `deform_conv2d` offset and mask gradients on wgpu (composed from the
@@ -56,14 +56,24 @@ fn mlp_step<B: AutodiffBackend>(model: &DeepMlp<B>, x: &Tensor<B, 2>) {
     let _grads = loss.backward();
 }
 
-/// The same MLP with ELU, whose gradient runs through `exp`'s backward behind a mask (under
-/// `Amp`, a node of its own: four more elementwise ops in the backward).
-fn elu_mlp_step<B: AutodiffBackend>(model: &DeepMlp<B>, x: &Tensor<B, 2>) {
+/// The same MLP with another activation: ELU, whose gradient runs through `exp`'s backward
+/// behind a mask (under `Amp`, a node of its own: four more elementwise ops in the backward),
+/// or ReLU (under `Amp`, a node of its own that keeps a NaN through the backward's
+/// recomputation: an `is_nan` and a fill more in the forward and in the backward).
+fn activated_mlp_step<B: AutodiffBackend>(
+    model: &DeepMlp<B>,
+    x: &Tensor<B, 2>,
+    activation: fn(Tensor<B, 2>) -> Tensor<B, 2>,
+) {
     let mut h = x.clone();
     for layer in &model.layers {
-        h = burn::tensor::activation::elu(layer.forward(h), 1.0);
+        h = activation(layer.forward(h));
     }
     let _grads = h.powi_scalar(2).mean().backward();
+}
+
+fn elu<B: AutodiffBackend>(x: Tensor<B, 2>) -> Tensor<B, 2> {
+    burn::tensor::activation::elu(x, 1.0)
 }
 
 fn lm_step<B: AutodiffBackend>(model: &TinyLm<B>, batch: &(Tensor<B, 2, Int>, Tensor<B, 2, Int>)) {
@@ -71,8 +81,8 @@ fn lm_step<B: AutodiffBackend>(model: &TinyLm<B>, batch: &(Tensor<B, 2, Int>, Te
 }
 
 /// `Amp<Autodiff<Flex>>` at F32 against `Autodiff<Flex>`, (Amp, plain) medians: the MLP, the
-/// MLP with ELU, TinyLm.
-fn overhead(iters: usize) -> [(Duration, Duration); 3] {
+/// MLP with ELU, the MLP with ReLU, TinyLm.
+fn overhead(iters: usize) -> [(Duration, Duration); 4] {
     type Plain = Autodiff<Flex>;
     type WithAmp = Amp<Autodiff<Flex>>;
     let device = Default::default();
@@ -100,8 +110,13 @@ fn overhead(iters: usize) -> [(Duration, Duration); 3] {
     );
     let elu = side_by_side(
         iters,
-        || elu_mlp_step(&mlp_amp, &x_amp),
-        || elu_mlp_step(&mlp_plain, &x_plain),
+        || activated_mlp_step(&mlp_amp, &x_amp, elu),
+        || activated_mlp_step(&mlp_plain, &x_plain, elu),
+    );
+    let relu = side_by_side(
+        iters,
+        || activated_mlp_step(&mlp_amp, &x_amp, burn::tensor::activation::relu),
+        || activated_mlp_step(&mlp_plain, &x_plain, burn::tensor::activation::relu),
     );
 
     let config = TinyLmConfig::new().with_dropout(0.0);
@@ -118,7 +133,7 @@ fn overhead(iters: usize) -> [(Duration, Duration); 3] {
         || lm_step(&lm_amp, &batch_amp),
         || lm_step(&lm_plain, &batch_plain),
     );
-    [(mlp_a, mlp_p), elu, (lm_a, lm_p)]
+    [(mlp_a, mlp_p), elu, relu, (lm_a, lm_p)]
 }
 
 /// Peak bytes in use over one training step, sampled after forward and after backward.
@@ -388,13 +403,22 @@ fn main() {
     let quick = mode::quick();
     let iters = if quick { 3 } else { 40 };
 
-    let [(mlp_a, mlp_p), (elu_a, elu_p), (lm_a, lm_p)] = overhead(iters);
+    let [
+        (mlp_a, mlp_p),
+        (elu_a, elu_p),
+        (relu_a, relu_p),
+        (lm_a, lm_p),
+    ] = overhead(iters);
     let [conv_sums, mlp_sums] = half_sums_cost(iters, quick);
     let deform = deform_conv_cost(iters, quick);
     let gelu = wgpu_gelu_cost(iters, quick);
     let ratio = |a: Duration, b: Duration| a.as_secs_f64() / b.as_secs_f64();
-    let (mlp_ratio, elu_ratio, lm_ratio) =
-        (ratio(mlp_a, mlp_p), ratio(elu_a, elu_p), ratio(lm_a, lm_p));
+    let (mlp_ratio, elu_ratio, relu_ratio, lm_ratio) = (
+        ratio(mlp_a, mlp_p),
+        ratio(elu_a, elu_p),
+        ratio(relu_a, relu_p),
+        ratio(lm_a, lm_p),
+    );
 
     // Activation-heavy: a large batch through narrow layers, so that saved activations, not
     // parameters, dominate the step (as in real training).
@@ -428,6 +452,12 @@ fn main() {
         elu_a.as_secs_f64() * 1e3,
         elu_p.as_secs_f64() * 1e3,
         elu_ratio
+    );
+    println!(
+        "| ReLU MLP fwd+bwd (relu's own node, NaN kept through recomputation), same | {:.3} ms | {:.3} ms | {:.3} | <= 1.03 |",
+        relu_a.as_secs_f64() * 1e3,
+        relu_p.as_secs_f64() * 1e3,
+        relu_ratio
     );
     println!(
         "| TinyLm fwd+bwd, Amp<Autodiff<Flex>> F32 vs Autodiff<Flex> | {:.3} ms | {:.3} ms | {:.3} | <= 1.03 |",
@@ -540,7 +570,7 @@ fn main() {
         }
     };
     report::emit(&format!(
-        "{{\"bench\":\"autocast\",\"iterations\":{iters},\"overhead_mlp_ratio\":{mlp_ratio:.4},\"overhead_transformer_ratio\":{lm_ratio:.4},\"overhead_elu_mlp_ratio\":{elu_ratio:.4},\"peak_memory_f16_over_f32\":{},\"peak_f16_bytes\":{},\"peak_f32_bytes\":{},\"flex_step_amp_over_f32\":{:.4},\"cuda_step_amp_over_f32\":{},\"host_reads_fused\":{},\"host_reads_adam\":{},\"conv_f32_sums_over_half_sums\":{},\"flex_f16_mlp_f32_sums_over_half_sums\":{},\"deform_conv_amp_over_plain\":{},\"wgpu_gelu_mlp_amp_over_plain\":{}}}",
+        "{{\"bench\":\"autocast\",\"iterations\":{iters},\"overhead_mlp_ratio\":{mlp_ratio:.4},\"overhead_transformer_ratio\":{lm_ratio:.4},\"overhead_elu_mlp_ratio\":{elu_ratio:.4},\"overhead_relu_mlp_ratio\":{relu_ratio:.4},\"peak_memory_f16_over_f32\":{},\"peak_f16_bytes\":{},\"peak_f32_bytes\":{},\"flex_step_amp_over_f32\":{:.4},\"cuda_step_amp_over_f32\":{},\"host_reads_fused\":{},\"host_reads_adam\":{},\"conv_f32_sums_over_half_sums\":{},\"flex_f16_mlp_f32_sums_over_half_sums\":{},\"deform_conv_amp_over_plain\":{},\"wgpu_gelu_mlp_amp_over_plain\":{}}}",
         memory_ratio.map_or("null".to_string(), |r| format!("{r:.4}")),
         f16_peak.map_or("null".to_string(), |p| p.0.to_string()),
         f32_peak.map_or("null".to_string(), |p| p.0.to_string()),

@@ -17,8 +17,8 @@
 //! only where an input is NaN). `relu`, `sigmoid`, `atan2` and the powers are nodes of
 //! `Amp`'s own instead, whose recomputation in the backward fills the NaN again
 //! ([`Activation`], [`Atan2`], [`powers`](super::powers)). A few elementwise kernels more per op
-//! (`is_nan`, a fill; fused on CubeCL), and an extra pool, reduction or scan of the NaN mask
-//! for those. The indices of a max pool (its backward's) stay the backend's.
+//! (`is_nan`, a fill; fused on CubeCL; none for `relu`, a kernel that keeps the NaN), and an
+//! extra pool, reduction or scan of the NaN mask for those. The indices of a max pool (its backward's) stay the backend's.
 
 use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
 use burn_backend::tensor::{BoolTensor, FloatTensor, IntTensor};
@@ -199,10 +199,15 @@ pub(crate) fn sigmoid<B: Backend>(tensor: FloatTensor<B>) -> FloatTensor<B> {
 /// [nodes of `Amp`'s own](super::elementwise_node) rather than burn-autodiff's with the value
 /// filled in: theirs are memory-bound, so a later op that reads the output back (the product in
 /// SiLU, `w`'s gradient in `relu(x) · w`) gets it recomputed by the backend's kernel, which
-/// hides the NaN again (measured: Flex's `relu`, wgpu's `sigmoid`). The backward is the
-/// backend's, from the output with its NaN: `sigmoid`'s gradient is then NaN there (PyTorch's
-/// too); `relu`'s is the backend's rule at a NaN output (Burn's default and PyTorch's: the
-/// gradient passes; Flex's: 0).
+/// hides the NaN again (measured: Flex's `relu`, wgpu's `sigmoid`).
+///
+/// `relu` is one pass: on Flex its `clamp` to `[0, inf]` (Rust's, which keeps a NaN; Flex's
+/// `relu` is `max`, which does not), elsewhere Burn's default composition, `x` filled with 0
+/// where `x <= 0` (false at a NaN), which CubeCL runs as its `relu` already. Its gradient is
+/// the backend's `relu_backward` given the input, as burn-autodiff's node gives it, nothing
+/// recomputed: the rule at a NaN is the backend's (Burn's default and PyTorch's: the gradient
+/// passes; Flex's: 0). `sigmoid` is the backend's kernel with the NaN filled in off Flex
+/// (Flex's keeps it); its gradient is computed from that output (NaN there, as PyTorch's).
 #[derive(Debug, Clone, Copy)]
 enum Activation {
     Relu,
@@ -211,19 +216,27 @@ enum Activation {
 
 impl Elementwise for Activation {
     fn forward<X: Backend>(self, x: FloatTensor<X>) -> FloatTensor<X> {
-        let at = nan_at::<X>(&x);
-        let y = match self {
-            Activation::Relu => X::relu(x),
-            Activation::Sigmoid => X::sigmoid(x),
-        };
-        X::float_mask_fill(y, at, Scalar::Float(f64::NAN))
+        match self {
+            Activation::Relu if super::on_flex::<X>() => {
+                X::float_clamp(x, Scalar::Float(0.0), Scalar::Float(f64::INFINITY))
+            }
+            Activation::Relu => {
+                let at_most_zero =
+                    X::float_lower_equal_elem(x.clone(), Scalar::Float(0.0), bools::<X>(&x));
+                X::float_mask_fill(x, at_most_zero, Scalar::Float(0.0))
+            }
+            Activation::Sigmoid if super::on_flex::<X>() => X::sigmoid(x),
+            Activation::Sigmoid => {
+                let at = nan_at::<X>(&x);
+                X::float_mask_fill(X::sigmoid(x), at, Scalar::Float(f64::NAN))
+            }
+        }
     }
 
     fn backward<X: Backend>(self, x: FloatTensor<X>, grad: FloatTensor<X>) -> FloatTensor<X> {
-        let y = self.forward::<X>(x);
         match self {
-            Activation::Relu => X::relu_backward(y, grad),
-            Activation::Sigmoid => X::sigmoid_backward(y, grad),
+            Activation::Relu => X::relu_backward(x, grad),
+            Activation::Sigmoid => X::sigmoid_backward(self.forward::<X>(x), grad),
         }
     }
 }
