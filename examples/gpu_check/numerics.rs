@@ -388,11 +388,12 @@ pub fn run<T: Target>(
                         ));
                     }
                 }
+                nan_propagation::relu_beside_a_nan::<F<T>, BalancedCheckpointing>(device);
                 ok(&format!(
                     "{ops} ops on a row holding a NaN (f32 and half inputs): none hides it under \
                      Amp; pow's IEEE exceptions, atan2, top-k's NaN first with its index and \
                      gradient; the NaN survives recomputation in the backward, gradients \
-                     included"
+                     included; relu's value and gradients at -1, -0, 0, 2, NaN"
                 ))
             }),
         ),

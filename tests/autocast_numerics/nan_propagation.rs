@@ -11,6 +11,7 @@ use burn::backend::autodiff::checkpoint::strategy::{
 use burn::backend::{Autodiff, Flex, Wgpu};
 use burn::tensor::TensorData;
 use burn::tensor::activation::{hard_sigmoid, relu, sigmoid};
+use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::module::max_pool1d;
 use burn_amp::{Amp, autocast};
 
@@ -320,5 +321,60 @@ fn nan_survives_recompute_flex() {
 fn nan_survives_recompute_wgpu() {
     if let Some(device) = common::wgpu_device() {
         nan_survives_recompute::<Wgpu>(&device, &[DType::F32, DType::F16], &COMPARISONS);
+    }
+}
+
+/// `relu(x) · w` under `Amp` above autodiff on `B` (either checkpointing), at
+/// `x = [-1, -0, 0, 2, NaN]`: the value `[0, 0, 0, 2w, NaN]`, `w`'s gradient `relu(x)` with its
+/// NaN, and `x`'s gradient bitwise plain autodiff's (burn-autodiff's `relu_backward` of the
+/// input: 0 at and below 0, `w` above, the backend's rule at the NaN). `relu` is a node of
+/// `Amp`'s own whose forward is not the backend's `relu` on Flex (its `clamp`): a backward
+/// other than burn-autodiff's (a clamp's passes the gradient at 0) would show here.
+pub(crate) fn relu_beside_a_nan<B: Backend, C: CheckpointStrategy>(device: &B::Device) {
+    fn run<A: AutodiffBackend>(device: &A::Device) -> [Vec<f32>; 3] {
+        let x = Tensor::<A, 1>::from_floats([-1.0, -0.0, 0.0, 2.0, f32::NAN], device);
+        let x = x.require_grad();
+        let w = Tensor::<A, 1>::from_floats([1.5, 2.5, 3.5, 4.5, 5.5], device).require_grad();
+        let y = relu(x.clone()) * w.clone();
+        let grads = y.clone().sum().backward();
+        [
+            values(y),
+            values(x.grad(&grads).expect("x's gradient")),
+            values(w.grad(&grads).expect("w's gradient")),
+        ]
+    }
+    let [y, dx, dw] = {
+        let _g = autocast(Precision::F32);
+        run::<Amp<Autodiff<B, C>>>(device)
+    };
+    let [_, plain_dx, _] = run::<Autodiff<B, C>>(device);
+    assert!(
+        y[..4] == [0.0, 0.0, 0.0, 9.0] && y[4].is_nan(),
+        "value {y:?}"
+    );
+    assert!(
+        dw[..4] == [0.0, 0.0, 0.0, 2.0] && dw[4].is_nan(),
+        "w's gradient {dw:?}"
+    );
+    let bits = |v: &[f32]| v.iter().map(|g| g.to_bits()).collect::<Vec<_>>();
+    assert_eq!(
+        bits(&dx),
+        bits(&plain_dx),
+        "x's gradient {dx:?}, plain {plain_dx:?}"
+    );
+    assert_eq!(dx[..4], [0.0, 0.0, 0.0, 4.5], "x's gradient");
+}
+
+#[test]
+fn relu_beside_a_nan_flex() {
+    relu_beside_a_nan::<Flex, NoCheckpointing>(&Default::default());
+    relu_beside_a_nan::<Flex, BalancedCheckpointing>(&Default::default());
+}
+
+#[test]
+fn relu_beside_a_nan_wgpu() {
+    if let Some(device) = common::wgpu_device() {
+        relu_beside_a_nan::<Wgpu, NoCheckpointing>(&device);
+        relu_beside_a_nan::<Wgpu, BalancedCheckpointing>(&device);
     }
 }

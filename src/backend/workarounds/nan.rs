@@ -217,7 +217,9 @@ enum Activation {
 impl Elementwise for Activation {
     fn forward<X: Backend>(self, x: FloatTensor<X>) -> FloatTensor<X> {
         match self {
-            Activation::Relu if super::on_flex::<X>() => {
+            // Flex's own kernel (under an autodiff backend `Amp` does not list, the clamp's
+            // gradient would pass at 0, where `relu`'s is 0).
+            Activation::Relu if super::on_flex::<X>() && !X::ad_enabled(&X::float_device(&x)) => {
                 X::float_clamp(x, Scalar::Float(0.0), Scalar::Float(f64::INFINITY))
             }
             Activation::Relu => {
