@@ -17,8 +17,8 @@
 //! only where an input is NaN). `relu`, `sigmoid`, `atan2` and the powers are nodes of
 //! `Amp`'s own instead, whose recomputation in the backward fills the NaN again
 //! ([`Activation`], [`Atan2`], [`powers`](super::powers)). A few elementwise kernels more per op
-//! (`is_nan`, a fill; fused on CubeCL; none for `relu`, a kernel that keeps the NaN), and an
-//! extra pool, reduction or scan of the NaN mask for those. The indices of a max pool (its backward's) stay the backend's.
+//! (`is_nan`, a fill; fused on CubeCL; none for `relu`, a kernel that keeps the NaN, nor for
+//! the clamps above autodiff), and an extra pool, reduction or scan of the NaN mask for those. The indices of a max pool (its backward's) stay the backend's.
 
 use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
 use burn_backend::tensor::{BoolTensor, FloatTensor, IntTensor};
@@ -248,7 +248,7 @@ pub(crate) fn hard_sigmoid<B: Backend>(
     alpha: Scalar,
     beta: Scalar,
 ) -> FloatTensor<B> {
-    elementwise::<B>(tensor, |t| B::hard_sigmoid(t, alpha, beta))
+    clamped::<B>(tensor, |t| B::hard_sigmoid(t, alpha, beta))
 }
 
 pub(crate) fn float_clamp<B: Backend>(
@@ -256,15 +256,30 @@ pub(crate) fn float_clamp<B: Backend>(
     min: Scalar,
     max: Scalar,
 ) -> FloatTensor<B> {
-    elementwise::<B>(tensor, |t| B::float_clamp(t, min, max))
+    clamped::<B>(tensor, |t| B::float_clamp(t, min, max))
 }
 
 pub(crate) fn float_clamp_min<B: Backend>(tensor: FloatTensor<B>, min: Scalar) -> FloatTensor<B> {
-    elementwise::<B>(tensor, |t| B::float_clamp_min(t, min))
+    clamped::<B>(tensor, |t| B::float_clamp_min(t, min))
 }
 
 pub(crate) fn float_clamp_max<B: Backend>(tensor: FloatTensor<B>, max: Scalar) -> FloatTensor<B> {
-    elementwise::<B>(tensor, |t| B::float_clamp_max(t, max))
+    clamped::<B>(tensor, |t| B::float_clamp_max(t, max))
+}
+
+/// A clamp (`hard_sigmoid` is one of `a x + b`): NaN where `x` is. Above autodiff there is
+/// nothing to fill: burn-autodiff composes clamps from a comparison and a fill, false at a NaN,
+/// which keeps it (their backward too, recomputed or not); the backends' own kernels below it
+/// are what hide it (Flex's `max` and `min`, CubeCL's `clamp`).
+fn clamped<B: Backend>(
+    x: FloatTensor<B>,
+    op: impl FnOnce(FloatTensor<B>) -> FloatTensor<B>,
+) -> FloatTensor<B> {
+    if B::ad_enabled(&B::float_device(&x)) {
+        op(x)
+    } else {
+        elementwise::<B>(x, op)
+    }
 }
 
 /// Where either of two masks of a binary op ([`ones_at`]) is 1: `a` of the shape of its left
