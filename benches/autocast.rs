@@ -58,8 +58,8 @@ fn mlp_step<B: AutodiffBackend>(model: &DeepMlp<B>, x: &Tensor<B, 2>) {
 
 /// The same MLP with another activation: ELU, whose gradient runs through `exp`'s backward
 /// behind a mask (under `Amp`, a node of its own: four more elementwise ops in the backward),
-/// or ReLU (under `Amp`, a node of its own that keeps a NaN through the backward's
-/// recomputation: an `is_nan` and a fill more in the forward and in the backward).
+/// or ReLU (under `Amp`, a node of its own, so that a NaN survives the backward's
+/// recomputation: one pass on Flex, its `clamp`, where Flex's `relu` hides the NaN).
 fn activated_mlp_step<B: AutodiffBackend>(
     model: &DeepMlp<B>,
     x: &Tensor<B, 2>,

@@ -18,7 +18,8 @@
 //! `Amp`'s own instead, whose recomputation in the backward fills the NaN again
 //! ([`Activation`], [`Atan2`], [`powers`](super::powers)). A few elementwise kernels more per op
 //! (`is_nan`, a fill; fused on CubeCL; none for `relu`, a kernel that keeps the NaN, nor for
-//! the clamps above autodiff), and an extra pool, reduction or scan of the NaN mask for those. The indices of a max pool (its backward's) stay the backend's.
+//! the clamps above autodiff), and an extra pool, reduction or scan of the NaN mask for those.
+//! The indices of a max pool (its backward's) stay the backend's.
 
 use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
 use burn_backend::tensor::{BoolTensor, FloatTensor, IntTensor};
