@@ -2,7 +2,7 @@
 //! differ) in f64 on the host, rounded once, against `Amp` on Flex (which computes
 //! `x - s·floor(x/s)` in f64: `src/backend/workarounds/remainder.rs`), values and gradients.
 //! Plain Flex computes it in the input's dtype and loses a small remainder's low bits: the
-//! canary.
+//! canary. And half tensors on CubeCL, whose quotient overflows f16 (plain wgpu's canary).
 
 use burn::backend::{Autodiff, Flex};
 use burn::tensor::TensorData;
@@ -103,4 +103,46 @@ fn remainder_gradients_flex() {
     let y = x.clone().remainder_scalar(2.0);
     let grads = (y.clone() * y.clone()).sum().backward();
     assert_eq!(values(x.grad(&grads).expect("x's gradient")), [2e-3, 1.0]);
+}
+
+/// f16 `[40000, 500.75, -3.25] % [0.5, 0.5, 0.5]` on `B`, both operands tensors, and with a
+/// scalar divisor: under `Amp` (at F16, so neither is widened by the policy) PyTorch's
+/// `[0, 0.25, 0.25]` both ways. Returns plain `B`'s tensor remainder.
+pub(crate) fn remainder_of_half_tensors<B: Backend>(device: &B::Device) -> Vec<f32> {
+    fn run<X: Backend>(device: &X::Device) -> [Vec<f32>; 2] {
+        let x = Tensor::<X, 1>::from_floats([40000.0, 500.75, -3.25], device).cast(DType::F16);
+        let s = Tensor::<X, 1>::from_floats([0.5, 0.5, 0.5], device).cast(DType::F16);
+        [
+            values(x.clone().remainder(s)),
+            values(x.remainder_scalar(0.5)),
+        ]
+    }
+    let [tensor, scalar] = {
+        let _g = autocast(Precision::F16);
+        run::<Amp<B>>(device)
+    };
+    assert_eq!(tensor, [0.0, 0.25, 0.25], "a tensor divisor");
+    assert_eq!(scalar, [0.0, 0.25, 0.25], "a scalar divisor");
+    let [plain, _] = run::<B>(device);
+    plain
+}
+
+/// CubeCL's remainder computes `x / s` in f16, which overflows at `40000 / 0.5` (the canary:
+/// plain wgpu's `-inf`).
+#[test]
+fn remainder_of_half_tensors_wgpu() {
+    if let Some(device) = common::wgpu_device() {
+        let plain = remainder_of_half_tensors::<burn::backend::Wgpu>(&device);
+        assert_eq!(plain[0], f32::NEG_INFINITY, "plain wgpu: {plain:?}");
+    }
+}
+
+#[test]
+fn remainder_of_half_tensors_flex() {
+    let plain = remainder_of_half_tensors::<Flex>(&Default::default());
+    assert_eq!(
+        plain,
+        [0.0, 0.25, 0.25],
+        "plain Flex (its half remainder runs in f32)"
+    );
 }

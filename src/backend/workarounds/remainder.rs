@@ -12,7 +12,8 @@
 //! times it).
 //!
 //! CubeCL computes `x - s · floor(x / s)` in the input's dtype, where `x / s` overflows a half
-//! one (f16 `40000 % 0.5` was -inf on wgpu): there a half input runs in f32, rounded once.
+//! one (f16 `40000 % 0.5` was -inf on wgpu, for a scalar divisor and, until 2026-12-06, a
+//! tensor one): there half inputs run in f32, rounded once.
 
 use burn_backend::tensor::FloatTensor;
 use burn_backend::{Backend, DType, Scalar, TensorMetadata, get_device_settings};
@@ -40,9 +41,15 @@ pub(crate) fn float_remainder<B: Backend>(
     lhs: FloatTensor<B>,
     rhs: FloatTensor<B>,
 ) -> FloatTensor<B> {
-    match super::on_flex::<B>() {
-        true => binary_node::<B, _>(lhs, rhs, Remainder),
-        false => recompute::float_remainder::<B>(lhs, rhs),
+    if super::on_flex::<B>() {
+        return binary_node::<B, _>(lhs, rhs, Remainder);
+    }
+    // Both half (autocast promotes a mixed pair to f32).
+    match lhs.dtype() {
+        DType::F16 | DType::BF16 => {
+            super::in_f32::<B, 2>([lhs, rhs], |[x, s]| recompute::float_remainder::<B>(x, s))
+        }
+        _ => recompute::float_remainder::<B>(lhs, rhs),
     }
 }
 
