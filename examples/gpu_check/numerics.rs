@@ -9,8 +9,8 @@
 //!   reference, interpolation's backward against Flex's, picks broadcast by fused ops, average
 //!   pools' gradients (and whether plain Burn gets those wrong on this backend too), the
 //!   backward of `rfft`, `irfft` and `topk`, `gather_nd` and `scatter_nd` at repeated indices,
-//!   `grid_sample` in every mode, `repeat`'s gradient, integer powers, NaN propagation, ops
-//!   on empty tensors (on CUDA, plain Burn's refused launches);
+//!   `grid_sample` in every mode, `repeat`'s gradient, integer powers, the remainder of half
+//!   tensors, NaN propagation, ops on empty tensors (on CUDA, plain Burn's refused launches);
 //! - random graphs, drawn while the time lasts: fused against unfused (f32, f16, bf16), Flex
 //!   against the unfused kernels (f32), and every saving of autocast on and off.
 //!
@@ -88,6 +88,8 @@ mod random_graphs;
 mod random_pools;
 #[path = "../../tests/autocast_numerics/recompute.rs"]
 mod recompute;
+#[path = "../../tests/autocast_numerics/remainder.rs"]
+mod remainder;
 #[path = "../../tests/autocast_numerics/repeat.rs"]
 mod repeat;
 #[path = "../../tests/autocast_numerics/shared_casts.rs"]
@@ -420,6 +422,17 @@ pub fn run<T: Target>(
                     maximum of a row of -inf is -inf; powers at a zero base: PyTorch's \
                     gradients",
                 )
+            }),
+        ),
+        (
+            "remainder of two f16 tensors (CubeCL's quotient in f16 overflows)",
+            Box::new(|| {
+                let plain = remainder::remainder_of_half_tensors::<F<T>>(device);
+                Ok(format!(
+                    "[40000, 500.75, -3.25] % 0.5 as PyTorch's [0, 0.25, 0.25], tensor and \
+                     scalar divisors; plain {}: {plain:?}",
+                    T::NAME
+                ))
             }),
         ),
         (
