@@ -78,7 +78,10 @@ pub enum AmpOptimizerError {
     #[error(
         "an AmpOptimizer is already installed for backend {backend}: backward can scale the loss \
          for one optimizer only. Wrap the optimizer once (one AmpOptimizer around the whole \
-         model), or drop the first before making another"
+         model), or drop the first before making another. Several optimizers, each over its own \
+         module (a GAN's generator and discriminator), share one burn_amp::scaler::GradScaler \
+         instead: `scaler.scale(loss).backward()`, `scaler.step(..)` for each, one \
+         `scaler.update()`"
     )]
     AlreadyInstalled {
         /// The training backend's type name.

@@ -292,6 +292,10 @@ fn a_second_optimizer_on_one_backend_is_refused_until_the_first_is_dropped() {
         "{err}"
     );
     assert!(err.to_string().contains("already installed"), "{err}");
+    assert!(
+        err.to_string().contains("GradScaler"),
+        "the way for several: {err}"
+    );
     drop(first);
     assert!(AmpOptimizer::new(sgd(), GradScalerConfig::new()).is_err());
     drop(clone);
