@@ -36,6 +36,23 @@
 //! still-scaled gradients; at its boundary they are unscaled and checked once, the whole window
 //! is stepped or skipped once, and the scale changes only there.
 //!
+//! ## Several optimizers
+//! Two models with two optimizers (a GAN's generator and discriminator, PyTorch's "multiple
+//! models, losses and optimizers"): make the second from the first, which shares its scale.
+//!
+//! ```ignore
+//! let mut g_optim = AmpOptimizer::new(g_adam, GradScalerConfig::new())?;
+//! let mut d_optim = g_optim.share_scaler(d_adam);
+//! // backwards and steps in any order: d_loss.backward(), d_optim.step(..), g_loss.backward(), ...
+//! ```
+//!
+//! Each skips on its own gradients; the scale is updated once after their steps, backing off
+//! if any of them overflowed, at the next backward (so that each step unscales with the scale
+//! its backward used, whether both backwards come before both steps or not). One update per
+//! backward that follows steps: a GAN's loop (a backward and a step, twice) updates twice per
+//! iteration, as Accelerate does; PyTorch's loop for several losses (both backwards, then both
+//! steps) once, as its `scaler.update()` does.
+//!
 //! ## Several devices
 //! One scale for all devices: a worker's first backward after a step copies the scale to its
 //! device. With burn-train's `MultiDeviceOptim::OptimMainDevice` the gradients of all devices
@@ -46,6 +63,7 @@
 
 pub mod metrics;
 pub(crate) mod registry;
+mod shared;
 
 use std::sync::Arc;
 
@@ -62,6 +80,7 @@ pub use metrics::{
 };
 
 use metrics::{MemoryProbe, SamplePoint};
+use shared::{ScalerCell, ScalerSlot};
 
 use crate::Precision;
 use crate::grads::{GradList, f32_scalar, primitive};
@@ -78,10 +97,9 @@ pub enum AmpOptimizerError {
     #[error(
         "an AmpOptimizer is already installed for backend {backend}: backward can scale the loss \
          for one optimizer only. Wrap the optimizer once (one AmpOptimizer around the whole \
-         model), or drop the first before making another. Several optimizers, each over its own \
-         module (a GAN's generator and discriminator), share one burn_amp::scaler::GradScaler \
-         instead: `scaler.scale(loss).backward()`, `scaler.step(..)` for each, one \
-         `scaler.update()`"
+         model), or drop the first before making another. For several optimizers, each over its \
+         own module (a GAN's generator and discriminator), make the second from the first: \
+         `let d_optim = g_optim.share_scaler(d_adam)`"
     )]
     AlreadyInstalled {
         /// The training backend's type name.
@@ -110,10 +128,10 @@ where
 {
     inner: O,
     config: GradScalerConfig,
-    /// Made on the device of the first scaled step.
-    scaler: Option<GradScaler<B>>,
-    /// A record loaded before the scaler existed.
-    loaded: Option<GradScalerRecord>,
+    /// The scaler, its own or shared ([`share_scaler`](Self::share_scaler)).
+    slot: ScalerSlot<B>,
+    /// This optimizer among those sharing the scaler (0: the one that installed it).
+    member: usize,
     /// Skipped steps so far, f32 `[1]` on the scaler's device (no read to count them).
     skipped: Option<Tensor<B::InnerBackend, 1>>,
     /// Skipped steps of a loaded record, where the count starts when the scaler is made.
@@ -165,8 +183,8 @@ where
         Ok(Self {
             inner: optimizer,
             config,
-            scaler: None,
-            loaded: None,
+            slot: ScalerSlot::Own(ScalerCell::default()),
+            member: 0,
             skipped: None,
             loaded_skipped: 0,
             last_found_inf: None,
@@ -199,27 +217,30 @@ where
     /// before the first scaled step); 1 when the scaler is disabled. Backwards at bf16/f32 are
     /// not scaled whatever this says. Reads one value from the device.
     pub fn scale(&self) -> f32 {
-        match (&self.scaler, &self.loaded) {
-            (Some(scaler), _) => scaler.scale_value(),
-            (None, Some(record)) => record.scale,
-            (None, None) if self.installation.is_some() => self.config.init_scale,
-            (None, None) => 1.0,
-        }
+        let installed = self.installation.is_some();
+        self.slot
+            .with_ref(|cell| match (&cell.scaler, &cell.loaded) {
+                (Some(scaler), _) => scaler.scale_value(),
+                (None, Some(record)) => record.scale,
+                (None, None) if installed => self.config.init_scale,
+                (None, None) => 1.0,
+            })
     }
 
     /// The scaler's state (1.0 scale and zeros before the first scaled step). Reads the state
     /// from the device.
     pub fn scaler_record(&self) -> Option<GradScalerRecord> {
-        match &self.scaler {
+        self.slot.with_ref(|cell| match &cell.scaler {
             Some(scaler) => Some(scaler.record()),
-            None => self.loaded.clone(),
-        }
+            None => cell.loaded.clone(),
+        })
     }
 
     /// Fails when the run keeps overflowing at `min_scale` (a bug or a diverged run, not a
     /// scale problem). Reads the state from the device: call it now and then.
     pub fn check(&self) -> Result<(), ScalerError> {
-        self.scaler.as_ref().map_or(Ok(()), GradScaler::check)
+        self.slot
+            .with_ref(|cell| cell.scaler.as_ref().map_or(Ok(()), GradScaler::check))
     }
 
     /// Whether the last step's gradients overflowed (so it was skipped), as an f32 `[1]` device
@@ -232,22 +253,30 @@ where
     /// Restores the scaler's state (the scale trajectory continues from it); the wrapped
     /// optimizer's state is loaded separately ([`Optimizer::load_record`] loads both).
     pub fn load_scaler_record(&mut self, record: GradScalerRecord) {
-        let scale = record.scale;
-        match self.scaler.take() {
-            Some(scaler) => {
-                let scaler = scaler.load_record(record);
-                if let Some(owner) = self.owner() {
-                    registry::publish::<B::InnerBackend>(owner, primitive(scaler.scale_tensor()));
+        let owner = self.owner();
+        self.slot.with(|cell| {
+            // A loaded state replaces what the steps before it would have updated.
+            cell.pending = false;
+            let scale = record.scale;
+            match cell.scaler.take() {
+                Some(scaler) => {
+                    let scaler = scaler.load_record(record);
+                    if let Some(owner) = owner {
+                        registry::publish::<B::InnerBackend>(
+                            owner,
+                            primitive(scaler.scale_tensor()),
+                        );
+                    }
+                    cell.scaler = Some(scaler);
                 }
-                self.scaler = Some(scaler);
-            }
-            None => {
-                self.loaded = Some(record);
-                if let Some(owner) = self.owner() {
-                    registry::reset(owner, scale);
+                None => {
+                    cell.loaded = Some(record);
+                    if let Some(owner) = owner {
+                        registry::reset(owner, scale);
+                    }
                 }
             }
-        }
+        });
     }
 
     /// Optimizer steps taken or skipped, and skipped, since the start of training (a loaded
@@ -273,17 +302,32 @@ where
         self.installation.as_ref().map(|i| i.0)
     }
 
-    /// The scaler, taken out (made on `device` on the first scaled step); put it back.
-    fn take_scaler(&mut self, device: &B::Device) -> Result<GradScaler<B>, ScalerError> {
-        if let Some(scaler) = self.scaler.take() {
-            return Ok(scaler);
+    /// Another optimizer (over another module: a GAN's discriminator beside its generator,
+    /// a second loss's model) with this one's loss scaling: one scale, which every backward
+    /// multiplies by, updated once after the steps of both (backing off if either overflowed)
+    /// at the next backward, so that each step unscales with the scale its backward used in
+    /// any order of backwards and steps. Each optimizer skips on its own gradients and counts
+    /// its own steps; [`scale`](Self::scale) and the records of both say the one scale.
+    /// Call it on either for a third. With the scaler disabled, the new one is disabled too.
+    pub fn share_scaler<O2>(&mut self, optimizer: O2) -> AmpOptimizer<O2, B>
+    where
+        B: 'static,
+    {
+        let (slot, member) = match self.owner() {
+            Some(owner) => self.slot.share(owner),
+            None => (ScalerSlot::Own(ScalerCell::default()), 0),
+        };
+        AmpOptimizer {
+            inner: optimizer,
+            config: self.config.clone(),
+            slot,
+            member,
+            skipped: None,
+            loaded_skipped: 0,
+            last_found_inf: None,
+            installation: self.installation.clone(),
+            monitor: ScalerMonitor::default(),
         }
-        let mut scaler = self.config.init::<B>(device, Precision::F16)?;
-        if let Some(record) = self.loaded.take() {
-            scaler = scaler.load_record(record);
-        }
-        self.skipped = Some(f32_scalar(self.loaded_skipped as f32, device));
-        Ok(scaler)
     }
 
     /// One step; the fallible form of [`Optimizer::step`].
@@ -331,7 +375,7 @@ where
         O: ScaledStep<M, B>,
     {
         let scaled = self.owner().map_or(0, |owner| {
-            registry::take_scaled_backwards(owner, device.id())
+            registry::take_scaled_backwards(owner, self.member, device.id())
         });
         self.last_found_inf = None;
         if scaled == 0 {
@@ -340,18 +384,39 @@ where
             let (module, outcome) = self.inner.step_scaled(lr, module, list, None)?;
             return Ok((module, matches!(outcome, StepOutcome::Stepped { .. }), None));
         }
-        let mut scaler = self.take_scaler(device)?;
-        let stepped = scaler.step(&mut self.inner, lr, module, grads);
-        let result =
-            stepped.and_then(|(module, report)| scaler.update().map(|()| (module, report)));
-        let (scale, state) = (scaler.scale_tensor(), scaler.state());
-        self.scaler = Some(scaler);
+        let deferred = self.slot.deferred();
+        let (config, inner) = (&self.config, &mut self.inner);
+        let (result, scale, state) = self.slot.with(|cell| {
+            let scaler = match cell.scaler.take() {
+                Some(scaler) => scaler,
+                None => {
+                    let scaler = config.init::<B>(device, Precision::F16)?;
+                    match cell.loaded.take() {
+                        Some(record) => scaler.load_record(record),
+                        None => scaler,
+                    }
+                }
+            };
+            let scaler = cell.scaler.insert(scaler);
+            let stepped = scaler.step(inner, lr, module, grads);
+            let result = if deferred {
+                // Shared: the update waits for the next backward (`shared`).
+                cell.pending |= stepped.is_ok();
+                stepped
+            } else {
+                stepped.and_then(|(module, report)| scaler.update().map(|()| (module, report)))
+            };
+            Ok::<_, ScalerError>((result, scaler.scale_tensor(), scaler.state()))
+        })?;
         let (module, report) = result?;
-        let skipped = self.skipped.take().expect("made with the scaler");
+        let skipped = self
+            .skipped
+            .take()
+            .unwrap_or_else(|| f32_scalar(self.loaded_skipped as f32, device));
         self.last_found_inf = report.found_inf();
         let skipped = match report.found_inf() {
             Some(found_inf) => {
-                if let Some(owner) = self.owner() {
+                if let Some(owner) = self.owner().filter(|_| !deferred) {
                     registry::publish::<B::InnerBackend>(owner, primitive(scale));
                 }
                 skipped + found_inf

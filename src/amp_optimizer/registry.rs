@@ -10,10 +10,13 @@
 //! find the scaler (burn-train's `Learner` calls it inside the user's `TrainStep`, on worker
 //! threads when it trains on several devices). One installation per backend type: a second
 //! one while the first lives is [`AmpOptimizerError::AlreadyInstalled`](super::AmpOptimizerError).
+//! Optimizers that share its scaler ([`AmpOptimizer::share_scaler`](super::AmpOptimizer::share_scaler))
+//! are its members: each counts the scaled backwards since its own last step, and their one
+//! scale is updated here, at the first backward after their steps ([`PendingUpdate`]).
 
 use core::any::{Any, TypeId};
-use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 
 use burn_backend::tensor::FloatTensor;
 use burn_backend::{AutodiffBackend, Backend, DType, DeviceOps, TensorMetadata};
@@ -23,12 +26,21 @@ use burn_std::{FloatDType, Shape};
 use super::metrics::{SamplePoint, ScalerMonitor};
 use crate::{Amp, Precision};
 
-/// One device's copy of the scale and the backwards scaled with it since the last step.
+/// One device's copy of the scale and the backwards scaled with it since each member's last
+/// step.
 struct DeviceScale {
     device: DeviceId,
     /// `FloatTensor<Inner>`, f32 `[1]`, on `device`; `None` until needed.
     scale: Option<Box<dyn Any + Send>>,
-    scaled_backwards: u64,
+    /// Per member (index: [`join`]'s), the scaled backwards it has not stepped yet.
+    scaled_backwards: Vec<u64>,
+}
+
+/// The scale update that optimizers sharing one scaler leave for the next backward: their
+/// steps must all unscale with the scale their backwards used, so it changes only when a
+/// new backward starts. Runs it (when a step left one) and publishes the new scale.
+pub(crate) trait PendingUpdate: Send + Sync {
+    fn run(&self);
 }
 
 /// The installation of one optimizer for one training backend type.
@@ -43,6 +55,10 @@ struct Installation {
     devices: Vec<DeviceScale>,
     /// Samples memory at the start of backward, when the optimizer tracks it.
     monitor: ScalerMonitor,
+    /// Optimizers counting scaled backwards: 1, more when they share the scaler.
+    members: usize,
+    /// The shared scaler's update, when optimizers share it.
+    pending: Option<Arc<dyn PendingUpdate>>,
 }
 
 static TABLE: Mutex<Vec<Installation>> = Mutex::new(Vec::new());
@@ -72,6 +88,8 @@ pub(crate) fn install<T: 'static>(initial_scale: f32, monitor: ScalerMonitor) ->
         current: None,
         devices: Vec::new(),
         monitor,
+        members: 1,
+        pending: None,
     });
     INSTALLED.fetch_add(1, Ordering::Release);
     Ok(owner)
@@ -88,6 +106,17 @@ pub(crate) fn uninstall(owner: u64) {
 
 fn with_installation<R>(owner: u64, f: impl FnOnce(&mut Installation) -> R) -> Option<R> {
     table().iter_mut().find(|i| i.owner == owner).map(f)
+}
+
+/// A new member of `owner`'s installation, sharing its scaler, whose update then waits for
+/// the next backward (`pending`): the member's index for [`take_scaled_backwards`].
+pub(crate) fn join(owner: u64, pending: Arc<dyn PendingUpdate>) -> usize {
+    with_installation(owner, |i| {
+        i.pending = Some(pending);
+        i.members += 1;
+        i.members - 1
+    })
+    .expect("joined while its installation lives")
 }
 
 /// Publishes the optimizer's scale after a step (or a load): every device's next backward
@@ -109,41 +138,53 @@ pub(crate) fn reset(owner: u64, initial_scale: f32) {
     });
 }
 
-/// Whether gradients stepped on `device` were scaled: the backwards scaled on `device` since
-/// its last step (a DDP worker, a single device), else, when the device made none (a main
-/// device summing other workers' gradients), those of every device. Resets what it counted.
-pub(crate) fn take_scaled_backwards(owner: u64, device: DeviceId) -> u64 {
+/// Whether gradients that `member` steps on `device` were scaled: the backwards scaled on
+/// `device` since its last step (a DDP worker, a single device), else, when the device made
+/// none (a main device summing other workers' gradients), those of every device. Resets
+/// what it counted, for `member` only.
+pub(crate) fn take_scaled_backwards(owner: u64, member: usize, device: DeviceId) -> u64 {
+    let mut take = |d: &mut DeviceScale| {
+        d.scaled_backwards
+            .get_mut(member)
+            .map_or(0, core::mem::take)
+    };
     with_installation(owner, |i| {
         let own = i
             .devices
             .iter_mut()
             .find(|d| d.device == device)
-            .map_or(0, |d| core::mem::take(&mut d.scaled_backwards));
+            .map_or(0, &mut take);
         if own > 0 {
             return own;
         }
-        i.devices
-            .iter_mut()
-            .map(|d| core::mem::take(&mut d.scaled_backwards))
-            .sum()
+        i.devices.iter_mut().map(take).sum()
     })
     .unwrap_or(0)
 }
 
-/// The root of `Amp<AB>`'s backward: `loss × scale` (in f32) when a scaler is installed for
-/// `Amp<AB>` and the thread's precision on the loss's device needs loss scaling, else `loss`.
 /// Whether an `AmpOptimizer` is installed for the autodiff backend `AB` (`Amp<..>`).
 pub(crate) fn is_installed<AB: 'static>() -> bool {
     INSTALLED.load(Ordering::Acquire) != 0
         && table().iter().any(|i| i.backend == TypeId::of::<AB>())
 }
 
+/// The root of `Amp<AB>`'s backward: `loss × scale` (in f32) when a scaler is installed for
+/// `Amp<AB>` and the thread's precision on the loss's device needs loss scaling, else `loss`.
 pub(crate) fn scale_root<AB: AutodiffBackend>(loss: FloatTensor<AB>) -> FloatTensor<AB> {
     if INSTALLED.load(Ordering::Acquire) == 0 {
         warn_if_unscaled_f16::<AB>(&loss);
         return loss;
     }
     let device = AB::float_device(&loss);
+    // Optimizers sharing a scaler update it now, before this backward takes the scale (outside
+    // the table's lock: the update publishes its scale).
+    let pending = table()
+        .iter()
+        .find(|i| i.backend == TypeId::of::<Amp<AB>>())
+        .and_then(|i| i.pending.clone());
+    if let Some(pending) = pending {
+        pending.run();
+    }
     // One look at the table: the memory monitor, and the scale when this backward scales.
     let found = {
         let mut table = table();
@@ -187,7 +228,7 @@ fn device_scale<IB: Backend>(i: &mut Installation, device: &IB::Device) -> Float
             i.devices.push(DeviceScale {
                 device: id,
                 scale: None,
-                scaled_backwards: 0,
+                scaled_backwards: Vec::new(),
             });
             i.devices.len() - 1
         }
@@ -199,7 +240,8 @@ fn device_scale<IB: Backend>(i: &mut Installation, device: &IB::Device) -> Float
         .cloned();
     let initial = i.initial_scale;
     let entry = &mut i.devices[index];
-    entry.scaled_backwards += 1;
+    entry.scaled_backwards.resize(i.members, 0);
+    entry.scaled_backwards.iter_mut().for_each(|n| *n += 1);
     if let Some(scale) = entry
         .scale
         .as_ref()

@@ -10,6 +10,7 @@
 #[path = "../common/mod.rs"]
 mod common;
 mod random_schedules;
+mod shared_scaler;
 
 use std::sync::{Arc, Mutex, MutexGuard};
 
@@ -293,7 +294,7 @@ fn a_second_optimizer_on_one_backend_is_refused_until_the_first_is_dropped() {
     );
     assert!(err.to_string().contains("already installed"), "{err}");
     assert!(
-        err.to_string().contains("GradScaler"),
+        err.to_string().contains("share_scaler"),
         "the way for several: {err}"
     );
     drop(first);
