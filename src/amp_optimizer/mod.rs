@@ -93,13 +93,14 @@ use crate::scaler::{
 /// What can go wrong when making or stepping an [`AmpOptimizer`].
 #[derive(Debug, Clone, PartialEq, Error)]
 pub enum AmpOptimizerError {
-    /// A second `AmpOptimizer` for a backend that already has a live one.
+    /// A second `AmpOptimizer::new` for a backend that already has a live one (several
+    /// optimizers: [`AmpOptimizer::share_scaler`]).
     #[error(
-        "an AmpOptimizer is already installed for backend {backend}: backward can scale the loss \
-         for one optimizer only. Wrap the optimizer once (one AmpOptimizer around the whole \
-         model), or drop the first before making another. For several optimizers, each over its \
-         own module (a GAN's generator and discriminator), make the second from the first: \
-         `let d_optim = g_optim.share_scaler(d_adam)`"
+        "an AmpOptimizer is already installed for backend {backend}, and backward scales the \
+         loss by its scale. Wrap the optimizer once (one AmpOptimizer around the whole model), \
+         or drop the first before making another. For several optimizers, each over its own \
+         module (a GAN's generator and discriminator), make the others from the first, which \
+         share its scale: `let d_optim = g_optim.share_scaler(d_adam)`"
     )]
     AlreadyInstalled {
         /// The training backend's type name.
