@@ -86,8 +86,7 @@ use crate::Precision;
 use crate::grads::{GradList, f32_scalar, primitive};
 use crate::memory::DeviceMemory;
 use crate::scaler::{
-    GradScaler, GradScalerConfig, GradScalerRecord, ScaledStep, ScalerError, ScalerKernels,
-    StepOutcome,
+    GradScalerConfig, GradScalerRecord, ScaledStep, ScalerError, ScalerKernels, StepOutcome,
 };
 
 /// What can go wrong when making or stepping an [`AmpOptimizer`].
@@ -220,7 +219,7 @@ where
     pub fn scale(&self) -> f32 {
         let installed = self.installation.is_some();
         self.slot
-            .with_ref(|cell| match (&cell.scaler, &cell.loaded) {
+            .with_ref(|cell| match (cell.settled(), &cell.loaded) {
                 (Some(scaler), _) => scaler.scale_value(),
                 (None, Some(record)) => record.scale,
                 (None, None) if installed => self.config.init_scale,
@@ -231,7 +230,7 @@ where
     /// The scaler's state (1.0 scale and zeros before the first scaled step). Reads the state
     /// from the device.
     pub fn scaler_record(&self) -> Option<GradScalerRecord> {
-        self.slot.with_ref(|cell| match &cell.scaler {
+        self.slot.with_ref(|cell| match cell.settled() {
             Some(scaler) => Some(scaler.record()),
             None => cell.loaded.clone(),
         })
@@ -241,7 +240,7 @@ where
     /// scale problem). Reads the state from the device: call it now and then.
     pub fn check(&self) -> Result<(), ScalerError> {
         self.slot
-            .with_ref(|cell| cell.scaler.as_ref().map_or(Ok(()), GradScaler::check))
+            .with_ref(|cell| cell.settled().map_or(Ok(()), |scaler| scaler.check()))
     }
 
     /// Whether the last step's gradients overflowed (so it was skipped), as an f32 `[1]` device
@@ -308,7 +307,8 @@ where
     /// multiplies by, updated once after the steps of both (backing off if either overflowed)
     /// at the next backward, so that each step unscales with the scale its backward used in
     /// any order of backwards and steps. Each optimizer skips on its own gradients and counts
-    /// its own steps; [`scale`](Self::scale) and the records of both say the one scale.
+    /// its own steps; [`scale`](Self::scale) and the records of both say the one scale that
+    /// the next backward will use (that update included: a checkpoint resumes the run).
     /// Call it on either for a third. With the scaler disabled, the new one is disabled too.
     pub fn share_scaler<O2>(&mut self, optimizer: O2) -> AmpOptimizer<O2, B>
     where

@@ -44,6 +44,23 @@ where
     }
 }
 
+impl<B: AutodiffBackend> ScalerCell<B>
+where
+    B::InnerBackend: ScalerKernels,
+{
+    /// The scaler as the next backward will find it: with the update its steps left for that
+    /// backward applied (to a copy: the update itself waits), so that the scale and the
+    /// records say what the next step will use, and a record resumes where the run goes on.
+    pub fn settled(&self) -> Option<GradScaler<B>> {
+        let mut scaler = self.scaler.clone()?;
+        if self.pending {
+            // As `run`: `pending` means a step to finish.
+            let _ = scaler.update();
+        }
+        Some(scaler)
+    }
+}
+
 /// One scaler for several optimizers of one installation.
 pub(super) struct SharedScaler<B: AutodiffBackend>
 where

@@ -2,8 +2,9 @@
 //! Adam over two models, in PyTorch's loop for several losses (both backwards, then both
 //! steps) and in a GAN's (a backward and a step, twice), against the same loops written by
 //! hand with one `GradScaler` whose `update` runs where the shared scaler's does (at the first
-//! backward after steps): weights bitwise, the scale after every iteration, each model's
-//! skipped steps. Overflows: model 0's loss at iteration 2, model 1's at 5, both at 7.
+//! backward after steps): weights bitwise, the scale after every iteration (the one the next
+//! backward uses), each model's skipped steps; and a run resumed from the records of both.
+//! Overflows: model 0's loss at iteration 2, model 1's at 5, both at 7.
 
 use burn_amp::scaler::GradScaler;
 
@@ -51,22 +52,57 @@ fn loss_of(model: &Mlp<B>, iteration: usize, which: usize) -> Tensor<B, 1> {
     model.loss(x, y)
 }
 
+type Fused = burn_amp::optim::ScaledAdaptor<burn_amp::optim::FusedAdamW, Mlp<B>, B>;
+type BurnAdam = burn::optim::adaptor::OptimizerAdaptor<burn::optim::Adam, Mlp<B>, B>;
+type Records = (
+    <AmpOptimizer<Fused, B> as Optimizer<Mlp<B>, B>>::Record,
+    <AmpOptimizer<BurnAdam, B> as Optimizer<Mlp<B>, B>>::Record,
+);
+
+/// Two models and their optimizers, sharing the scale.
+struct Pair {
+    models: (Mlp<B>, Mlp<B>),
+    optims: (AmpOptimizer<Fused, B>, AmpOptimizer<BurnAdam, B>),
+}
+
+impl Pair {
+    fn new() -> Self {
+        let device = Default::default();
+        let mut optim0 = AmpOptimizer::new(fused(), GradScalerConfig::new()).unwrap();
+        let optim1 = optim0.share_scaler(adam());
+        Self {
+            models: (model(&device), second_model(&device)),
+            optims: (optim0, optim1),
+        }
+    }
+
+    fn records(&self) -> Records {
+        (self.optims.0.to_record(), self.optims.1.to_record())
+    }
+}
+
 /// The loop as a user writes it: plain `backward` and `step`.
 fn shared(order: Order) -> Run {
-    let device = Default::default();
-    let mut optims = (
-        AmpOptimizer::new(fused(), GradScalerConfig::new()).unwrap(),
-        None,
-    );
-    optims.1 = Some(optims.0.share_scaler(adam()));
-    let (optim0, optim1) = (&mut optims.0, optims.1.as_mut().unwrap());
-    let (mut m0, mut m1) = (model(&device), second_model(&device));
+    shared_from(Pair::new(), order, 0..ITERATIONS, |_, _| {})
+}
+
+/// Iterations `range` of the loop on `pair`, `after` told of each.
+fn shared_from(
+    pair: Pair,
+    order: Order,
+    range: core::ops::Range<usize>,
+    mut after: impl FnMut(usize, &Pair),
+) -> Run {
+    let Pair {
+        models: (mut m0, mut m1),
+        optims: (mut optim0, mut optim1),
+    } = pair;
     let mut run = Run {
         weights: Vec::new(),
         scales: Vec::new(),
         skipped: [0; 2],
     };
-    for i in 0..ITERATIONS {
+    for i in range {
         let grads = |model: &Mlp<B>, which| {
             GradientsParams::from_grads(loss_of(model, i, which).backward(), model)
         };
@@ -86,6 +122,15 @@ fn shared(order: Order) -> Run {
         run.weights.push([weights_bits(&m0), weights_bits(&m1)]);
         assert_eq!(optim0.scale(), optim1.scale(), "iteration {i}: one scale");
         run.scales.push(optim0.scale());
+        let pair = Pair {
+            models: (m0, m1),
+            optims: (optim0, optim1),
+        };
+        after(i, &pair);
+        Pair {
+            models: (m0, m1),
+            optims: (optim0, optim1),
+        } = pair;
     }
     run.skipped = [
         optim0.step_counts().skipped_steps,
@@ -141,7 +186,10 @@ fn by_hand(order: Order) -> Run {
             *count += u64::from(skipped);
         }
         run.weights.push([weights_bits(&m0), weights_bits(&m1)]);
-        run.scales.push(scaler.scale_value());
+        // The scale the next backward uses.
+        let mut next = scaler.clone();
+        next.update().unwrap();
+        run.scales.push(next.scale_value());
     }
     run
 }
@@ -151,28 +199,17 @@ fn two_optimizers_share_one_scale_in_either_order() {
     let _s = serial();
     let _g = autocast(Precision::F16);
     let s = 65536.0;
+    // The scale the next backward uses, after each iteration.
+    let half = |n: i32| s / 2f32.powi(n);
     for (order, scales) in [
         // One update per iteration, at the next one's first backward: 7's two overflows back
         // off once.
         (
             Order::BackwardsThenSteps,
-            [s, s, s, s / 2., s / 2., s / 2., s / 4., s / 4., s / 8.],
+            [0, 0, 1, 1, 1, 2, 2, 3, 3].map(half),
         ),
         // One update per step, at the next backward.
-        (
-            Order::Interleaved,
-            [
-                s,
-                s,
-                s / 2.,
-                s / 2.,
-                s / 2.,
-                s / 2.,
-                s / 4.,
-                s / 8.,
-                s / 16.,
-            ],
-        ),
+        (Order::Interleaved, [0, 0, 1, 1, 1, 2, 2, 4, 4].map(half)),
     ] {
         let reference = by_hand(order);
         let got = shared(order);
@@ -249,7 +286,32 @@ fn fused_optimizers_sharing_the_scale_read_nothing_back() {
         m1 = optim1.step(1e-2, m1, g1);
     }
     assert_eq!(host_reads() - before, 0, "host reads in 5 shared steps");
-    // Model 0 overflowed at 2, model 1 at 5 (its update waits for a next backward).
-    assert_eq!(optim0.scale(), 32768.0);
+    // Model 0 overflowed at 2, model 1 at 5 (its update waits for the next backward; the
+    // scale says it).
+    assert_eq!(optim0.scale(), 16384.0);
     assert_eq!(optim1.step_counts().skipped_steps, 1);
+}
+
+/// Records of both optimizers taken after iteration 5 (model 1's overflow, its update
+/// waiting for the next backward) resume the run bitwise.
+#[test]
+fn records_of_shared_optimizers_resume_the_run() {
+    let _s = serial();
+    let _g = autocast(Precision::F16);
+    for order in [Order::BackwardsThenSteps, Order::Interleaved] {
+        let mut saved = None;
+        let whole = shared_from(Pair::new(), order, 0..ITERATIONS, |i, pair| {
+            if i == 5 {
+                saved = Some((pair.models.clone(), pair.records()));
+            }
+        });
+        let (models, (record0, record1)) = saved.expect("saved at 5");
+        let mut pair = Pair::new();
+        pair.models = models;
+        let (optim0, optim1) = pair.optims;
+        pair.optims = (optim0.load_record(record0), optim1.load_record(record1));
+        let resumed = shared_from(pair, order, 6..ITERATIONS, |_, _| {});
+        assert_eq!(resumed.weights, whole.weights[6..], "{order:?}: weights");
+        assert_eq!(resumed.scales, whole.scales[6..], "{order:?}: scales");
+    }
 }
