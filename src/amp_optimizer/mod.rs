@@ -43,7 +43,8 @@
 //! ```ignore
 //! let mut g_optim = AmpOptimizer::new(g_adam, GradScalerConfig::new())?;
 //! let mut d_optim = g_optim.share_scaler(d_adam);
-//! // backwards and steps in any order: d_loss.backward(), d_optim.step(..), g_loss.backward(), ...
+//! // d_loss.backward(), d_optim.step(..), g_loss.backward(), g_optim.step(..); or both
+//! // backwards, then both steps
 //! ```
 //!
 //! Each skips on its own gradients; the scale is updated once after their steps, backing off
@@ -305,11 +306,12 @@ where
     /// Another optimizer (over another module: a GAN's discriminator beside its generator,
     /// a second loss's model) with this one's loss scaling: one scale, which every backward
     /// multiplies by, updated once after the steps of both (backing off if either overflowed)
-    /// at the next backward, so that each step unscales with the scale its backward used in
-    /// any order of backwards and steps. Each optimizer skips on its own gradients and counts
-    /// its own steps; [`scale`](Self::scale) and the records of both say the one scale that
-    /// the next backward will use (that update included: a checkpoint resumes the run).
-    /// Call it on either for a third. With the scaler disabled, the new one is disabled too.
+    /// at the next backward, so that each step unscales with the scale its backward used
+    /// whether the loop runs both backwards before both steps or each before its step. Each
+    /// optimizer skips on its own gradients and counts its own steps; [`scale`](Self::scale)
+    /// and the records of both say the one scale that the next backward will use (that update
+    /// included: a checkpoint resumes the run). Call it on either for a third. With the scaler
+    /// disabled, the new one is disabled too.
     pub fn share_scaler<O2>(&mut self, optimizer: O2) -> AmpOptimizer<O2, B>
     where
         B: 'static,

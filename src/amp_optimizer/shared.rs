@@ -7,7 +7,7 @@
 //! So their steps only record their overflow flags, and the one update (backing off if any of
 //! them overflowed) runs at the next backward, before it takes the scale
 //! ([`registry::PendingUpdate`]): every step unscales with the scale its backward used,
-//! whatever the order of backwards and steps.
+//! whether a loop runs all backwards before the steps or each backward before its step.
 
 use std::sync::{Arc, Mutex, MutexGuard};
 
