@@ -409,7 +409,14 @@ where
             } else {
                 stepped.and_then(|(module, report)| scaler.update().map(|()| (module, report)))
             };
-            Ok::<_, ScalerError>((result, scaler.scale_tensor(), scaler.state()))
+            let (scale, state) = (scaler.scale_tensor(), scaler.state());
+            // For the monitor, when the update waits: the state the next backward will find,
+            // as `scale()` says (an update of a copy, on the device).
+            let state = match deferred {
+                true => cell.settled().map_or(state, |next| next.state()),
+                false => state,
+            };
+            Ok::<_, ScalerError>((result, scale, state))
         })?;
         let (module, report) = result?;
         let skipped = self

@@ -121,6 +121,9 @@ fn shared_from(
         }
         run.weights.push([weights_bits(&m0), weights_bits(&m1)]);
         assert_eq!(optim0.scale(), optim1.scale(), "iteration {i}: one scale");
+        // The loss-scale metric of the optimizer that stepped last says it too.
+        let snapshot = optim1.monitor().snapshot();
+        assert_eq!(snapshot.scale, optim1.scale(), "iteration {i}: the metric");
         run.scales.push(optim0.scale());
         let pair = Pair {
             models: (m0, m1),
