@@ -38,11 +38,14 @@ struct Run {
     skipped: [u64; 2],
 }
 
-fn fused() -> burn_amp::optim::ScaledAdaptor<burn_amp::optim::FusedAdamW, Mlp<B>, B> {
+type Fused = burn_amp::optim::ScaledAdaptor<burn_amp::optim::FusedAdamW, Mlp<B>, B>;
+type BurnAdam = burn::optim::adaptor::OptimizerAdaptor<burn::optim::Adam, Mlp<B>, B>;
+
+fn fused() -> Fused {
     FusedAdamWConfig::new().init::<B, Mlp<B>>().unwrap()
 }
 
-fn adam() -> burn::optim::adaptor::OptimizerAdaptor<burn::optim::Adam, Mlp<B>, B> {
+fn adam() -> BurnAdam {
     AdamConfig::new().init::<B, Mlp<B>>()
 }
 
@@ -52,8 +55,6 @@ fn loss_of(model: &Mlp<B>, iteration: usize, which: usize) -> Tensor<B, 1> {
     model.loss(x, y)
 }
 
-type Fused = burn_amp::optim::ScaledAdaptor<burn_amp::optim::FusedAdamW, Mlp<B>, B>;
-type BurnAdam = burn::optim::adaptor::OptimizerAdaptor<burn::optim::Adam, Mlp<B>, B>;
 type Records = (
     <AmpOptimizer<Fused, B> as Optimizer<Mlp<B>, B>>::Record,
     <AmpOptimizer<BurnAdam, B> as Optimizer<Mlp<B>, B>>::Record,
