@@ -412,9 +412,10 @@ where
             let (scale, state) = (scaler.scale_tensor(), scaler.state());
             // For the monitor, when the update waits: the state the next backward will find,
             // as `scale()` says (an update of a copy, on the device).
-            let state = match deferred {
-                true => cell.settled().map_or(state, |next| next.state()),
-                false => state,
+            let state = if deferred {
+                cell.settled().map_or(state, |next| next.state())
+            } else {
+                state
             };
             Ok::<_, ScalerError>((result, scale, state))
         })?;

@@ -176,26 +176,26 @@ pub(crate) fn scale_root<AB: AutodiffBackend>(loss: FloatTensor<AB>) -> FloatTen
         return loss;
     }
     let device = AB::float_device(&loss);
-    // Optimizers sharing a scaler update it now, before this backward takes the scale (outside
-    // the table's lock: the update publishes its scale).
-    let pending = table()
-        .iter()
-        .find(|i| i.backend == TypeId::of::<Amp<AB>>())
-        .and_then(|i| i.pending.clone());
-    if let Some(pending) = pending {
-        pending.run();
-    }
-    // One look at the table: the memory monitor, and the scale when this backward scales.
+    // The memory monitor, and the scale when this backward scales.
+    let look = |table: &mut Vec<Installation>| {
+        installation_of::<AB>(table).map(|installation| {
+            let scaled = Precision::effective::<Amp<AB>>(&device).needs_loss_scaling();
+            let scale = scaled.then(|| device_scale::<AB::InnerBackend>(installation, &device));
+            (installation.monitor.clone(), scale)
+        })
+    };
+    // One look at the table; optimizers sharing a scaler first update it, outside the table's
+    // lock (the update publishes its scale), then this backward takes the scale.
     let found = {
-        let mut table = table();
-        table
-            .iter_mut()
-            .find(|i| i.backend == TypeId::of::<Amp<AB>>())
-            .map(|installation| {
-                let scaled = Precision::effective::<Amp<AB>>(&device).needs_loss_scaling();
-                let scale = scaled.then(|| device_scale::<AB::InnerBackend>(installation, &device));
-                (installation.monitor.clone(), scale)
-            })
+        let mut held = table();
+        match installation_of::<AB>(&mut held).and_then(|i| i.pending.clone()) {
+            Some(pending) => {
+                drop(held);
+                pending.run();
+                look(&mut table())
+            }
+            None => look(&mut held),
+        }
     };
     let Some((monitor, scale)) = found else {
         warn_if_unscaled_f16::<AB>(&loss);
@@ -216,6 +216,13 @@ pub(crate) fn scale_root<AB: AutodiffBackend>(loss: FloatTensor<AB>) -> FloatTen
         _ => AB::float_cast(loss, FloatDType::F32),
     };
     AB::float_mul(loss, scale)
+}
+
+/// The installation for the autodiff backend `AB` (of `Amp<AB>`).
+fn installation_of<AB: 'static>(table: &mut [Installation]) -> Option<&mut Installation> {
+    table
+        .iter_mut()
+        .find(|i| i.backend == TypeId::of::<Amp<AB>>())
 }
 
 /// The scale on `device` (copied there, or made from the initial scale, on first use), and

@@ -133,8 +133,8 @@ where
     }
 
     /// This slot's scaler made shareable (an own one moves into the shared cell with its
-    /// state), and registered as `owner`'s pending update: the slot of
-    /// a new member, and its index.
+    /// state), and registered as `owner`'s pending update: the slot of a new member, and its
+    /// index.
     pub fn share(&mut self, owner: u64) -> (Self, usize)
     where
         B: 'static,

@@ -55,6 +55,11 @@ fn loss_of(model: &Mlp<B>, iteration: usize, which: usize) -> Tensor<B, 1> {
     model.loss(x, y)
 }
 
+/// The gradients of a plain `backward` of `loss_of`.
+fn grads_of(model: &Mlp<B>, iteration: usize, which: usize) -> GradientsParams {
+    GradientsParams::from_grads(loss_of(model, iteration, which).backward(), model)
+}
+
 type Records = (
     <AmpOptimizer<Fused, B> as Optimizer<Mlp<B>, B>>::Record,
     <AmpOptimizer<BurnAdam, B> as Optimizer<Mlp<B>, B>>::Record,
@@ -104,9 +109,7 @@ fn shared_from(
         skipped: [0; 2],
     };
     for i in range {
-        let grads = |model: &Mlp<B>, which| {
-            GradientsParams::from_grads(loss_of(model, i, which).backward(), model)
-        };
+        let grads = |model: &Mlp<B>, which| grads_of(model, i, which);
         match order {
             Order::BackwardsThenSteps => {
                 let (g0, g1) = (grads(&m0, 0), grads(&m1, 1));
@@ -245,9 +248,7 @@ fn shared_scalers_install_once_and_pass_bf16_through() {
     let (mut a0, mut a1) = (model(&device), second_model(&device));
     let (mut b0, mut b1) = (model(&device), second_model(&device));
     for i in 0..3 {
-        let grads = |m: &Mlp<B>, which| {
-            GradientsParams::from_grads(loss_of(m, i + 10, which).backward(), m)
-        };
+        let grads = |m: &Mlp<B>, which| grads_of(m, i + 10, which);
         let (g0, g1) = (grads(&a0, 0), grads(&a1, 1));
         a0 = optim0.step(1e-2, a0, g0);
         a1 = optim1.step(1e-2, a1, g1);
@@ -284,9 +285,9 @@ fn fused_optimizers_sharing_the_scale_read_nothing_back() {
         if i == 1 {
             before = host_reads(); // after the first step: kernels compiled, states made
         }
-        let g0 = GradientsParams::from_grads(loss_of(&m0, i, 0).backward(), &m0);
+        let g0 = grads_of(&m0, i, 0);
         m0 = optim0.step(1e-2, m0, g0);
-        let g1 = GradientsParams::from_grads(loss_of(&m1, i, 1).backward(), &m1);
+        let g1 = grads_of(&m1, i, 1);
         m1 = optim1.step(1e-2, m1, g1);
     }
     assert_eq!(host_reads() - before, 0, "host reads in 5 shared steps");
