@@ -352,6 +352,7 @@ impl StepState {
                 .map(|_| AdamWMoments {
                     exp_avg: zeros(),
                     exp_avg_sq: zeros(),
+                    max_exp_avg_sq: None,
                     step: B::float_zeros(Shape::new([1]), device, FloatDType::F32),
                 })
                 .collect(),

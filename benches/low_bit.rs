@@ -1,5 +1,6 @@
 //! Six bytes per parameter: AdamW with f32 or 8-bit moments, f32 or bf16 weights (rounded to
-//! nearest or stochastically), trained side by side on the same TinyLm, data and seeds.
+//! nearest or stochastically), and AMSGrad's 20, trained side by side on the same TinyLm,
+//! data and seeds.
 //! Per variant: bytes per parameter (weights + gradients + optimizer state, from the
 //! `MemoryReport`), the peak of a measured step (Flex, `CountingAlloc`), final loss, and time
 //! per step against f32 AdamW. One table, then one JSON line.
@@ -34,6 +35,7 @@ struct Variant {
     moments: MomentStorage,
     weights: FloatDType,
     rounding: WeightRounding,
+    amsgrad: bool,
 }
 
 const F32: FloatDType = FloatDType::F32;
@@ -51,10 +53,15 @@ fn variants() -> Vec<Variant> {
         moments,
         weights,
         rounding,
+        amsgrad: false,
     };
     use WeightRounding::{Nearest, Stochastic};
     vec![
         v("f32 AdamW", MomentStorage::F32, F32, Nearest),
+        Variant {
+            amsgrad: true,
+            ..v("f32 AdamW + AMSGrad", MomentStorage::F32, F32, Nearest)
+        },
         v("8-bit AdamW (dynamic map)", int8, F32, Nearest),
         v("8-bit AdamW (linear map)", linear, F32, Nearest),
         v(
@@ -97,6 +104,7 @@ fn train(variant: Variant, config: &TinyLmConfig, steps: usize, batch: usize, lr
             FusedAdamWConfig::new()
                 .with_moments(variant.moments)
                 .with_weight_rounding(variant.rounding)
+                .with_amsgrad(variant.amsgrad)
                 .with_weight_decay(0.0),
         );
     let mut model = preset.prepare(config.init::<B>(&device));
@@ -140,8 +148,9 @@ fn train(variant: Variant, config: &TinyLmConfig, steps: usize, batch: usize, lr
 }
 
 /// One optimizer step on one parameter of `n` values through the kernels on wgpu (lavapipe):
-/// f32 AdamW, 8-bit AdamW, and each with an f16 parameter rounded stochastically. Side by
-/// side, alternating, median of `rounds`, after a warm-up (kernel compilation).
+/// f32 AdamW, with AMSGrad, with cautious weight decay, 8-bit AdamW, and f32 and 8-bit with an
+/// f16 parameter rounded stochastically. Side by side, alternating, median of `rounds`, after
+/// a warm-up (kernel compilation).
 fn kernel_times(n: usize, rounds: usize) -> Option<Vec<(&'static str, f64)>> {
     use burn::backend::Wgpu;
     use burn_amp::optim::OptimKernels;
@@ -157,9 +166,10 @@ fn kernel_times(n: usize, rounds: usize) -> Option<Vec<(&'static str, f64)>> {
         inv_scale: p(Tensor::<W, 1>::ones([1], &device)),
         found_inf: p(Tensor::<W, 1>::zeros([1], &device)),
     };
-    let f32_state = || AdamWMoments {
+    let f32_state = |amsgrad: bool| AdamWMoments {
         exp_avg: p(Tensor::<W, 1>::zeros([n], &device)),
         exp_avg_sq: p(Tensor::<W, 1>::zeros([n], &device)),
+        max_exp_avg_sq: amsgrad.then(|| p(Tensor::<W, 1>::zeros([n], &device))),
         step: p(Tensor::<W, 1>::zeros([1], &device)),
     };
     let int8_state = || QuantizedMoments {
@@ -174,8 +184,22 @@ fn kernel_times(n: usize, rounds: usize) -> Option<Vec<(&'static str, f64)>> {
     let grad = p(Tensor::<W, 1>::ones([n], &device));
     let nearest = FusedAdamWConfig::new();
     let stochastic = FusedAdamWConfig::new().with_weight_rounding(WeightRounding::Stochastic);
-    let cases: [(&'static str, FloatDType, bool, &FusedAdamWConfig); 4] = [
+    let amsgrad = FusedAdamWConfig::new().with_amsgrad(true);
+    let cautious = FusedAdamWConfig::new().with_cautious_weight_decay(true);
+    let cases: [(&'static str, FloatDType, bool, &FusedAdamWConfig); 6] = [
         ("f32 AdamW, f32 param", FloatDType::F32, false, &nearest),
+        (
+            "f32 AdamW + AMSGrad, f32 param",
+            FloatDType::F32,
+            false,
+            &amsgrad,
+        ),
+        (
+            "f32 AdamW, cautious weight decay, f32 param",
+            FloatDType::F32,
+            false,
+            &cautious,
+        ),
         ("8-bit AdamW, f32 param", FloatDType::F32, true, &nearest),
         (
             "f32 AdamW, f16 param, stochastic",
@@ -197,7 +221,7 @@ fn kernel_times(n: usize, rounds: usize) -> Option<Vec<(&'static str, f64)>> {
             let (s32, s8) = if *int8 {
                 (None, Some(int8_state()))
             } else {
-                (Some(f32_state()), None)
+                (Some(f32_state(c.amsgrad)), None)
             };
             W::sync(&device).unwrap();
             let start = Instant::now();

@@ -21,7 +21,21 @@ pub fn write_count(step: &Tensor<f32>, step_out: &mut Tensor<f32>, skipped: bool
     }
 }
 
-/// One AdamW step on one parameter; `optim::kernels::fallback::adamw_step` op for op.
+/// `p` after AdamW's decoupled weight decay (`decay = 1 - lr * weight_decay`). Cautious: an
+/// element whose first moment (the update's sign) and value have opposite signs keeps its
+/// value; a zero on either side counts as aligned.
+#[cube]
+pub fn decayed(p: f32, m: f32, decay: f32, #[comptime] cautious: bool) -> f32 {
+    if comptime![cautious] {
+        let opposed = (p > 0.0f32 && m < 0.0f32) || (p < 0.0f32 && m > 0.0f32);
+        select(opposed, p, p * decay)
+    } else {
+        p * decay
+    }
+}
+
+/// One AdamW step on one parameter; `optim::kernels::fallback::adamw_step` op for op. With
+/// `max_exp_avg_sq` (AMSGrad) the denominator uses the running maximum of the second moment.
 ///
 /// When `found_inf[0]` is raised, the outputs receive the inputs unchanged (a bit copy, a
 /// no-op when the outputs alias the inputs) and the count stays.
@@ -35,10 +49,12 @@ pub fn adamw_kernel<P: Float, G: Float, N: Size>(
     step: &Tensor<f32>,
     inv_scale: &Tensor<f32>,
     found_inf: &Tensor<f32>,
+    max_exp_avg_sq: &ComptimeOption<LinearView<Vector<f32, N>>>,
     param_out: &mut LinearView<Vector<P, N>, ReadWrite>,
     exp_avg_out: &mut LinearView<Vector<f32, N>, ReadWrite>,
     exp_avg_sq_out: &mut LinearView<Vector<f32, N>, ReadWrite>,
     step_out: &mut Tensor<f32>,
+    max_exp_avg_sq_out: &mut ComptimeOption<LinearView<Vector<f32, N>, ReadWrite>>,
     lr: f32,
     beta1: f32,
     beta2: f32,
@@ -52,6 +68,7 @@ pub fn adamw_kernel<P: Float, G: Float, N: Size>(
     ulp_scale: f32,
     min_binade: f32,
     #[comptime] stochastic: bool,
+    #[comptime] cautious: bool,
     #[define(P, G)] _dtypes: [StorageType; 2],
 ) {
     let skipped = found_inf[0] > 0.5f32;
@@ -64,6 +81,10 @@ pub fn adamw_kernel<P: Float, G: Float, N: Size>(
         param_out[pos] = param[pos];
         exp_avg_out[pos] = exp_avg[pos];
         exp_avg_sq_out[pos] = exp_avg_sq[pos];
+        #[comptime]
+        if let ComptimeOption::Some(max_out) = max_exp_avg_sq_out {
+            max_out[pos] = max_exp_avg_sq.unwrap()[pos];
+        }
         terminate!();
     }
 
@@ -78,10 +99,24 @@ pub fn adamw_kernel<P: Float, G: Float, N: Size>(
     let bc1 = -(f32::exp(t * ln_beta1) - 1.0f32);
     let bc2 = -(f32::exp(t * ln_beta2) - 1.0f32);
 
+    let mut v_denom = v;
+    #[comptime]
+    if let ComptimeOption::Some(max_out) = max_exp_avg_sq_out {
+        v_denom = max(max_exp_avg_sq.unwrap()[pos], v);
+        max_out[pos] = v_denom;
+    }
+
     let m_hat = m / Vector::new(bc1);
-    let v_hat = v / Vector::new(bc2);
+    let v_hat = v_denom / Vector::new(bc2);
     let update = m_hat / (Vector::sqrt(v_hat) + Vector::new(epsilon));
-    let new_p = p * Vector::new(decay) - update * Vector::new(lr);
+    let mut p_decayed = p * Vector::new(decay);
+    if comptime![cautious] {
+        #[unroll]
+        for i in 0..N::value() {
+            p_decayed[i] = decayed(p[i], m[i], decay, true);
+        }
+    }
+    let new_p = p_decayed - update * Vector::new(lr);
 
     if comptime![stochastic] {
         // Element `pos * N + i` in logical order: its rounding stream index.

@@ -10,7 +10,7 @@
 
 use cubecl::prelude::*;
 
-use super::optim::write_count;
+use super::optim::{decayed, write_count};
 use super::rounding::{random16, stochastic_round};
 
 /// Codes per `i32` word.
@@ -76,6 +76,7 @@ pub fn adamw8bit_kernel<P: Float, G: Float>(
     min_binade: f32,
     #[comptime] words_per_block: usize,
     #[comptime] stochastic: bool,
+    #[comptime] cautious: bool,
     #[define(P, G)] _dtypes: [StorageType; 2],
 ) {
     let block = CUBE_POS;
@@ -132,7 +133,7 @@ pub fn adamw8bit_kernel<P: Float, G: Float>(
             let v = s_old * s_old * beta2 + (g * g) * one_minus_beta2;
             s = f32::sqrt(v);
             let update = (m / bc1) / (f32::sqrt(v / bc2) + epsilon);
-            let new_p = f32::cast_from(param[index]) * decay - update * lr;
+            let new_p = decayed(f32::cast_from(param[index]), m, decay, cautious) - update * lr;
             if comptime![stochastic] {
                 let r = random16(seed, step_bits, index as u32);
                 param_out[index] = P::cast_from(stochastic_round(new_p, r, ulp_scale, min_binade));

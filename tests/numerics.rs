@@ -190,6 +190,7 @@ fn sgd_momentum_starts_after_a_skipped_first_step() {
 fn nesterov_needs_momentum_and_no_dampening() {
     let field = |c: FusedSgdConfig| match c.init::<B, Two<B>>() {
         Err(OptimError::InvalidConfig { field, .. }) => field,
+        Err(other) => panic!("not a field's range: {other}"),
         Ok(_) => "accepted",
     };
     assert_eq!(field(FusedSgdConfig::new().with_nesterov(true)), "momentum");
@@ -208,6 +209,28 @@ fn nesterov_needs_momentum_and_no_dampening() {
             ..
         })
     ));
+}
+
+/// AMSGrad keeps an f32 maximum beside the moments; with 8-bit moments the config is refused
+/// with an error that says what to do, not quantized in part.
+#[test]
+fn amsgrad_needs_f32_moments() {
+    let refused = FusedAdamWConfig::memory_saving()
+        .with_amsgrad(true)
+        .init::<B, Two<B>>();
+    let Err(err) = refused else {
+        panic!("AMSGrad with 8-bit moments was accepted")
+    };
+    assert!(matches!(err, OptimError::Unsupported { .. }), "{err:?}");
+    let message = err.to_string();
+    assert!(
+        message.contains("amsgrad") && message.contains("MomentStorage::F32"),
+        "{message}"
+    );
+    let f32_moments = FusedAdamWConfig::new().with_amsgrad(true);
+    assert!(f32_moments.init::<B, Two<B>>().is_ok());
+    let cautious = FusedAdamWConfig::memory_saving().with_cautious_weight_decay(true);
+    assert!(cautious.init::<B, Two<B>>().is_ok());
 }
 
 /// A GAN's generator and discriminator, two optimizers, one scaler: each steps once, each

@@ -82,6 +82,17 @@ pub struct FusedAdamWConfig {
     /// Decoupled weight decay, ≥ 0.
     #[config(default = 0.01)]
     pub weight_decay: f32,
+    /// Cautious weight decay ([Chen et al., 2025](https://arxiv.org/abs/2510.12402), Burn's
+    /// `cautious_weight_decay`): decay only the elements whose update moves them the way the
+    /// decay would (update and parameter of one sign; a zero counts as either, as the paper's
+    /// `u·x ≥ 0`: a negative value with a first moment of exactly 0 decays here, not in Burn's).
+    #[config(default = false)]
+    pub cautious_weight_decay: bool,
+    /// AMSGrad (PyTorch's and Burn's `amsgrad`): the denominator uses the largest second
+    /// moment seen so far, kept as a third f32 state tensor (4 more bytes per parameter).
+    /// f32 moments only.
+    #[config(default = false)]
+    pub amsgrad: bool,
     /// Gradient clipping, applied per parameter to unscaled gradients (Burn's semantics).
     pub grad_clipping: Option<GradientClippingConfig>,
     /// How the moments are stored (f32, or 8-bit blocks).
@@ -130,6 +141,13 @@ impl FusedAdamWConfig {
             "a finite number >= 0",
         )?;
         if let MomentStorage::Int8 { block, .. } = self.moments {
+            if self.amsgrad {
+                return Err(OptimError::Unsupported {
+                    optimizer: name,
+                    what: "amsgrad with 8-bit moments (MomentStorage::Int8)",
+                    instead: "keep f32 moments (MomentStorage::F32) for AMSGrad, or set amsgrad to false",
+                });
+            }
             check_range(
                 name,
                 "moments.block",
@@ -205,6 +223,8 @@ pub struct F32Moments<B: Backend, const D: usize> {
     pub exp_avg: Tensor<B, D>,
     /// Second moment.
     pub exp_avg_sq: Tensor<B, D>,
+    /// AMSGrad's running maximum of the second moment (only with `amsgrad`).
+    pub max_exp_avg_sq: Option<Tensor<B, D>>,
 }
 
 /// 8-bit moments: the first, and the square root of the second.
@@ -223,6 +243,7 @@ impl<B: Backend, const D: usize> AdamWMomentState<B, D> {
             Self::F32(m) => Self::F32(F32Moments {
                 exp_avg: m.exp_avg.to_device(device),
                 exp_avg_sq: m.exp_avg_sq.to_device(device),
+                max_exp_avg_sq: m.max_exp_avg_sq.map(|t| t.to_device(device)),
             }),
             Self::Int8(m) => Self::Int8(Int8Moments {
                 exp_avg: m.exp_avg.to_device(device),
@@ -234,7 +255,11 @@ impl<B: Backend, const D: usize> AdamWMomentState<B, D> {
     /// Bytes on the device.
     pub fn bytes(&self) -> u64 {
         match self {
-            Self::F32(m) => bytes(&m.exp_avg) + bytes(&m.exp_avg_sq),
+            Self::F32(m) => {
+                bytes(&m.exp_avg)
+                    + bytes(&m.exp_avg_sq)
+                    + m.max_exp_avg_sq.as_ref().map_or(0, bytes)
+            }
             Self::Int8(m) => m.exp_avg.bytes() + m.exp_avg_sq_sqrt.bytes(),
         }
     }
@@ -282,6 +307,7 @@ impl<B: OptimKernels> ScaledSimpleOptimizer<B> for FusedAdamW {
                     None => AdamWMomentState::F32(F32Moments {
                         exp_avg: tensor(fallback::zeros_f32::<B>(&param)),
                         exp_avg_sq: tensor(fallback::zeros_f32::<B>(&param)),
+                        max_exp_avg_sq: None,
                     }),
                 };
                 (moments, step)
@@ -291,9 +317,17 @@ impl<B: OptimKernels> ScaledSimpleOptimizer<B> for FusedAdamW {
         let lr = lr as f32;
         let (param, state) = match moments {
             AdamWMomentState::F32(m) => {
+                // AMSGrad's maximum starts at zero (a state saved without it, or a parameter's
+                // first step: max(0, v) = v, as PyTorch's and Burn's first step); without
+                // AMSGrad a saved maximum is dropped.
+                let max_exp_avg_sq = self.config.amsgrad.then(|| match m.max_exp_avg_sq {
+                    Some(max) => primitive(as_f32(max)),
+                    None => fallback::zeros_f32::<B>(&param),
+                });
                 let moments = AdamWMoments {
                     exp_avg: primitive(as_f32(m.exp_avg)),
                     exp_avg_sq: primitive(as_f32(m.exp_avg_sq)),
+                    max_exp_avg_sq,
                     step: primitive(step),
                 };
                 let (param, m) = B::adamw_step(param, grad, moments, scaling, lr, &self.config);
@@ -301,6 +335,7 @@ impl<B: OptimKernels> ScaledSimpleOptimizer<B> for FusedAdamW {
                     moments: AdamWMomentState::F32(F32Moments {
                         exp_avg: tensor(m.exp_avg),
                         exp_avg_sq: tensor(m.exp_avg_sq),
+                        max_exp_avg_sq: m.max_exp_avg_sq.map(tensor),
                     }),
                     step: ExactTensor(tensor(m.step)),
                 };

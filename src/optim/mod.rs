@@ -87,6 +87,16 @@ pub enum OptimError {
         /// What is allowed.
         expected: &'static str,
     },
+    /// Options that are each valid but do not run together.
+    #[error("{optimizer} does not support {what}: {instead}")]
+    Unsupported {
+        /// The optimizer.
+        optimizer: &'static str,
+        /// The combination.
+        what: &'static str,
+        /// What to do instead.
+        instead: &'static str,
+    },
 }
 
 /// Burn's [`SimpleOptimizer`] for a [`ScaledSimpleOptimizer`]: the unscaled step is the scaled

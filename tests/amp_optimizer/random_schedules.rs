@@ -2,8 +2,9 @@
 //! `GradientAccumulation` around AdamW, fused or Burn's), against the documented semantics
 //! written out here on the host: the mean of a window's micro-batches (a parameter missing
 //! from some counts as zero there, one missing from all is not stepped), the window skipped
-//! whole when any micro-batch overflowed, the global-norm clip of the unscaled mean, AdamW,
-//! and PyTorch's scale update with DeepSpeed's hysteresis. The runs stop and resume from
+//! whole when any micro-batch overflowed, the global-norm clip of the unscaled mean, AdamW
+//! (with AMSGrad and cautious weight decay, each drawn), and PyTorch's scale update with
+//! DeepSpeed's hysteresis. The runs stop and resume from
 //! saved records at random micro-steps, mid-window included.
 //!
 //! The loss is `Σ w ⊙ tw + Σ b ⊙ tb` with fixed targets, so a micro-batch's gradients are its
@@ -82,6 +83,8 @@ struct Schedule {
     init_scale: f32,
     growth_interval: u32,
     hysteresis: u32,
+    amsgrad: bool,
+    cautious: bool,
     w: Vec<f32>,
     b: Vec<f32>,
     micros: Vec<Micro>,
@@ -131,6 +134,9 @@ impl Schedule {
             w: (0..ROWS * COLS).map(|_| rng.unit()).collect(),
             b: (0..COLS).map(|_| rng.unit()).collect(),
             micros,
+            // Drawn last: the schedules drawn before these options came stay as they were.
+            amsgrad: rng.below(2) == 0,
+            cautious: rng.below(2) == 0,
         }
     }
 
@@ -151,6 +157,8 @@ impl Schedule {
 struct Moments {
     m: Vec<f32>,
     v: Vec<f32>,
+    /// AMSGrad's maximum of `v`.
+    v_max: Vec<f32>,
     steps: i32,
 }
 
@@ -171,6 +179,10 @@ struct Model {
     clipped: u64,
     absorbed: u64,
     bias_unstepped: u64,
+    /// Elements AMSGrad divided by an older, larger second moment; elements cautious weight
+    /// decay left undecayed.
+    amsgrad_mattered: u64,
+    cautious_kept: u64,
 }
 
 impl Model {
@@ -187,6 +199,8 @@ impl Model {
             clipped: 0,
             absorbed: 0,
             bias_unstepped: 0,
+            amsgrad_mattered: 0,
+            cautious_kept: 0,
         }
     }
 
@@ -243,7 +257,9 @@ impl Model {
         self.bias_unstepped += u64::from(grads[1].is_none());
         for ((param, moments), grad) in self.params.iter_mut().zip(&mut self.moments).zip(grads) {
             if let Some(grad) = grad {
-                adamw(param, moments, &grad);
+                let (mattered, kept) = adamw(s, param, moments, &grad);
+                self.amsgrad_mattered += mattered;
+                self.cautious_kept += kept;
             }
         }
         self.tracker += 1;
@@ -255,21 +271,38 @@ impl Model {
     }
 }
 
-fn adamw(param: &mut [f32], state: &mut Moments, grad: &[f32]) {
+/// One AdamW step; returns how many elements AMSGrad's maximum and cautious weight decay
+/// changed.
+fn adamw(s: &Schedule, param: &mut [f32], state: &mut Moments, grad: &[f32]) -> (u64, u64) {
     if state.m.is_empty() {
         state.m = vec![0.0; param.len()];
         state.v = vec![0.0; param.len()];
+        state.v_max = vec![0.0; param.len()];
     }
     state.steps += 1;
     let bc1 = 1.0 - BETA_1.powi(state.steps);
     let bc2 = 1.0 - BETA_2.powi(state.steps);
+    let (mut mattered, mut kept) = (0, 0);
     for i in 0..param.len() {
         let g = grad[i];
         state.m[i] = BETA_1 * state.m[i] + (1.0 - BETA_1) * g;
         state.v[i] = BETA_2 * state.v[i] + (1.0 - BETA_2) * g * g;
-        let update = (state.m[i] / bc1) / ((state.v[i] / bc2).sqrt() + EPSILON);
-        param[i] = param[i] * (1.0 - LR * WEIGHT_DECAY) - LR * update;
+        let mut v = state.v[i];
+        if s.amsgrad {
+            state.v_max[i] = state.v_max[i].max(v);
+            mattered += u64::from(state.v_max[i] > v);
+            v = state.v_max[i];
+        }
+        let update = (state.m[i] / bc1) / ((v / bc2).sqrt() + EPSILON);
+        // Cautious: no decay where the value and the update have opposite signs.
+        let opposed = param[i] * state.m[i] < 0.0;
+        kept += u64::from(s.cautious && opposed);
+        if !(s.cautious && opposed) {
+            param[i] *= 1.0 - LR * WEIGHT_DECAY;
+        }
+        param[i] -= LR * update;
     }
+    (mattered, kept)
 }
 
 /// The schedule on the device, checked against the model after every micro-step.
@@ -297,14 +330,16 @@ where
         let what = || {
             format!(
                 "schedule {} (fused {}, direct {}, N {}, clip {:?}, growth interval {}, \
-                 hysteresis {}), after micro-step {k} {micro:?}",
+                 hysteresis {}, amsgrad {}, cautious {}), after micro-step {k} {micro:?}",
                 s.seed,
                 s.fused,
                 s.direct,
                 s.micro_batches,
                 s.max_grad_norm,
                 s.growth_interval,
-                s.hysteresis
+                s.hysteresis,
+                s.amsgrad,
+                s.cautious
             )
         };
         for (got, want) in pair.values().iter().zip(&model.params) {
@@ -351,7 +386,7 @@ fn accumulated<O>(s: &Schedule, inner: O) -> GradientAccumulation<O, B> {
 #[test]
 fn random_schedules_follow_the_semantics() {
     let _serial = serial();
-    let mut exercised = [0u64; 6];
+    let mut exercised = [0u64; 8];
     for seed in 0..96 {
         let s = Schedule::draw(seed);
         let resumed_mid_window = s
@@ -363,12 +398,16 @@ fn random_schedules_follow_the_semantics() {
             .with_beta_1(BETA_1)
             .with_beta_2(BETA_2)
             .with_epsilon(EPSILON)
-            .with_weight_decay(WEIGHT_DECAY);
+            .with_weight_decay(WEIGHT_DECAY)
+            .with_amsgrad(s.amsgrad)
+            .with_cautious_weight_decay(s.cautious);
         let burn = AdamWConfig::new()
             .with_beta_1(BETA_1)
             .with_beta_2(BETA_2)
             .with_epsilon(EPSILON)
-            .with_weight_decay(WEIGHT_DECAY);
+            .with_weight_decay(WEIGHT_DECAY)
+            .with_amsgrad(s.amsgrad)
+            .with_cautious_weight_decay(s.cautious);
         let fused = || fused.init::<B, Pair<B>>().expect("a valid config");
         let burn = || -> OptimizerAdaptor<AdamW, Pair<B>, B> { burn.init() };
         let model = match (s.fused, s.direct) {
@@ -384,6 +423,8 @@ fn random_schedules_follow_the_semantics() {
             model.bias_unstepped,
             u64::from(resumed_mid_window),
             u64::from(s.direct),
+            model.amsgrad_mattered,
+            model.cautious_kept,
         ];
         for (total, n) in exercised.iter_mut().zip(counts) {
             *total += n;
@@ -391,12 +432,14 @@ fn random_schedules_follow_the_semantics() {
     }
     // The schedules exercised every branch: skipped windows, overflows absorbed by the
     // hysteresis, clipped windows, a bias without gradient for a whole window, runs resumed
-    // mid-window, and optimizers without the accumulation wrapper.
+    // mid-window, optimizers without the accumulation wrapper, and AMSGrad's maximum and
+    // cautious weight decay each changing some elements' steps.
     assert!(
         exercised.iter().all(|&n| n > 0),
         "not every branch was exercised: {exercised:?}"
     );
     eprintln!(
-        "skipped, absorbed, clipped, bias unstepped, resumed mid-window, direct: {exercised:?}"
+        "skipped, absorbed, clipped, bias unstepped, resumed mid-window, direct, \
+         AMSGrad's maximum divided, cautiously undecayed: {exercised:?}"
     );
 }

@@ -61,6 +61,7 @@ pub(super) fn zero_moments<B: Backend>(
     AdamWMoments {
         exp_avg: zeros(),
         exp_avg_sq: zeros(),
+        max_exp_avg_sq: None,
         step: scalar::<B>(count, device),
     }
 }
@@ -125,14 +126,17 @@ struct AdamState<B: Backend> {
     s: AdamWMoments<FloatTensor<B>>,
 }
 
-/// The raw bytes of a parameter and its AdamW state, to compare across a skipped step.
-fn adam_bytes<B: Backend>(a: &AdamState<B>) -> [Vec<u8>; 4] {
-    [
+/// The raw bytes of a parameter and its AdamW state (AMSGrad's maximum last, if any), to
+/// compare across a skipped step.
+fn adam_bytes<B: Backend>(a: &AdamState<B>) -> Vec<Vec<u8>> {
+    let mut bytes = vec![
         read::<B>(a.p.clone()).1,
         read::<B>(a.s.exp_avg.clone()).1,
         read::<B>(a.s.exp_avg_sq.clone()).1,
         read::<B>(a.s.step.clone()).1,
-    ]
+    ];
+    bytes.extend(a.s.max_exp_avg_sq.clone().map(|t| read::<B>(t).1));
+    bytes
 }
 
 /// Empty parameters come back as they are, with their state. (An empty parameter's count

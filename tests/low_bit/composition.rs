@@ -252,6 +252,7 @@ fn step_counts_come_back_exact_through_a_half_precision_recorder() {
             moments: AdamWMomentState::F32(F32Moments {
                 exp_avg: Tensor::zeros([4], &device),
                 exp_avg_sq: Tensor::zeros([4], &device),
+                max_exp_avg_sq: None,
             }),
             step: count_tensor(),
         };

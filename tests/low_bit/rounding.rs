@@ -76,6 +76,7 @@ fn run<B: AmpKernels>(
         State::F32(AdamWMoments {
             exp_avg: zeros(),
             exp_avg_sq: zeros(),
+            max_exp_avg_sq: None,
             step: count(),
         })
     };

@@ -39,6 +39,10 @@ pub struct AdamWMoments<T> {
     pub exp_avg: T,
     /// Second moment.
     pub exp_avg_sq: T,
+    /// AMSGrad's running maximum of the second moment. When present the step updates it and
+    /// divides by it; [`FusedAdamW`](super::FusedAdamW) keeps one when its config says
+    /// `amsgrad`.
+    pub max_exp_avg_sq: Option<T>,
     /// Steps applied.
     pub step: T,
 }
@@ -57,7 +61,8 @@ pub struct Velocity<T> {
 pub trait OptimKernels: Backend {
     /// One AdamW step on one parameter, skipped bit for bit (state and count included) when
     /// `found_inf[0] != 0`. The gradient is multiplied by `inv_scale[0]` inside; the math is
-    /// f32 and only the result is rounded to the parameter's dtype.
+    /// f32 and only the result is rounded to the parameter's dtype. AMSGrad when the state
+    /// holds `max_exp_avg_sq`; cautious weight decay as the config says.
     fn adamw_step(
         param: FloatTensor<Self>,
         grad: FloatTensor<Self>,
@@ -184,9 +189,11 @@ pub mod fallback {
         }
         let k = AdamWConstants::new(lr, c);
         let dtype = param.dtype();
+        let bool_dtype = get_device_settings::<B>(&B::float_device(&param)).bool_dtype;
         let AdamWMoments {
             exp_avg,
             exp_avg_sq,
+            max_exp_avg_sq,
             step,
         } = state;
         let p = to_f32::<B>(param.clone());
@@ -210,13 +217,29 @@ pub mod fallback {
             B::float_exp(B::float_mul_scalar(t, s(k.ln_beta2 as f64))),
             s(1.0),
         ));
+        // AMSGrad: the running maximum (the old one where the new moment is not above it).
+        let max_v = max_exp_avg_sq.clone().map(|old| {
+            let grew = B::float_lower(old.clone(), v.clone(), bool_dtype);
+            B::float_mask_where(old, grew, v.clone())
+        });
         let m_hat = B::float_div(m.clone(), bc1);
-        let v_hat = B::float_div(v.clone(), bc2);
+        let v_hat = B::float_div(max_v.clone().unwrap_or_else(|| v.clone()), bc2);
         let update = B::float_div(
             m_hat,
             B::float_add_scalar(B::float_sqrt(v_hat), s(c.epsilon as f64)),
         );
-        let decayed = B::float_mul_scalar(p, s(k.decay as f64));
+        let mut decayed = B::float_mul_scalar(p.clone(), s(k.decay as f64));
+        if c.cautious_weight_decay {
+            // Opposed signs of value and first moment (the update's sign) keep the value.
+            let positive =
+                |t: &FloatTensor<B>| B::float_greater_elem(t.clone(), s(0.0), bool_dtype);
+            let negative = |t: &FloatTensor<B>| B::float_lower_elem(t.clone(), s(0.0), bool_dtype);
+            let opposed = B::bool_or(
+                B::bool_and(positive(&p), negative(&m)),
+                B::bool_and(negative(&p), positive(&m)),
+            );
+            decayed = B::float_mask_where(decayed, opposed, p);
+        }
         let new_p = B::float_sub(decayed, B::float_mul_scalar(update, s(lr as f64)));
         let rounding =
             StochasticRounding::new(c.weight_rounding, c.seed, dtype, shape.num_elements());
@@ -229,6 +252,9 @@ pub mod fallback {
         let state = AdamWMoments {
             exp_avg: B::float_mask_where(m, skip.clone(), exp_avg),
             exp_avg_sq: B::float_mask_where(v, skip.clone(), exp_avg_sq),
+            max_exp_avg_sq: max_v
+                .zip(max_exp_avg_sq)
+                .map(|(new, old)| B::float_mask_where(new, skip.clone(), old)),
             step: next_count::<B>(step, scaling.found_inf),
         };
         (B::float_mask_where(new_p, skip, param), state)
@@ -324,13 +350,17 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> OptimKerne
         let AdamWMoments {
             exp_avg,
             exp_avg_sq,
+            max_exp_avg_sq,
             step,
         } = state;
         assert_same_shape(&param, &grad, "the gradient");
-        assert_same_shape(&param, &exp_avg, "exp_avg");
-        assert_same_shape(&param, &exp_avg_sq, "exp_avg_sq");
-        assert_f32(&exp_avg, "exp_avg");
-        assert_f32(&exp_avg_sq, "exp_avg_sq");
+        for (t, what) in [(&exp_avg, "exp_avg"), (&exp_avg_sq, "exp_avg_sq")]
+            .into_iter()
+            .chain(max_exp_avg_sq.iter().map(|t| (t, "max_exp_avg_sq")))
+        {
+            assert_same_shape(&param, t, what);
+            assert_f32(t, what);
+        }
         let step = scalar_f32(step, "the step count");
         let inv_scale = scalar_f32(scaling.inv_scale, "inv_scale");
         let found = scalar_f32(scaling.found_inf, "found_inf");
@@ -343,14 +373,24 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> OptimKerne
         );
         let (seed, ulp_scale, min_binade) = kernel_args(rounding);
 
-        let launch = Elementwise::over(&[&param, &grad, &exp_avg, &exp_avg_sq]);
+        let mut inputs = vec![&param, &grad, &exp_avg, &exp_avg_sq];
+        inputs.extend(&max_exp_avg_sq);
+        let launch = Elementwise::over(&inputs);
         let dtypes = [param.dtype.into(), grad.dtype.into()];
-        // Argument positions of the aliased inputs: param 0, exp_avg 2, exp_avg_sq 3.
+        // Argument positions of the aliased inputs: param 0, exp_avg 2, exp_avg_sq 3, and
+        // max_exp_avg_sq 7 (after the three device scalars).
         let (p_out, p_view) = output_for(&param, 0);
         let (m_out, m_view) = output_for(&exp_avg, 2);
         let (v_out, v_view) = output_for(&exp_avg_sq, 3);
+        let (max_out, max_view) = max_exp_avg_sq
+            .as_ref()
+            .map(|max| output_for(max, 7))
+            .unzip();
         let step_out = empty_scalar_f32(&param);
-        let addr = address_type(&[&param, &grad, &exp_avg, &exp_avg_sq, &p_out, &m_out, &v_out]);
+        let mut all = inputs;
+        all.extend([&p_out, &m_out, &v_out]);
+        all.extend(&max_out);
+        let addr = address_type(&all);
         // SAFETY: every access is `ABSOLUTE_POS` behind the output's bounds check, on views of
         // the parameter's shape (asserted), or `[0]` of the f32 `[1]` device scalars.
         unsafe {
@@ -367,10 +407,12 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> OptimKerne
                 step.into_tensor_arg(),
                 inv_scale.into_tensor_arg(),
                 found.into_tensor_arg(),
+                max_exp_avg_sq.map(|max| max.into_linear_view()).into(),
                 p_view,
                 m_view,
                 v_view,
                 step_out.clone().into_tensor_arg(),
+                max_view.into(),
                 lr,
                 c.beta_1,
                 c.beta_2,
@@ -384,10 +426,11 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> OptimKerne
                 ulp_scale,
                 min_binade,
                 rounding.is_some(),
+                c.cautious_weight_decay,
                 dtypes,
             )
         };
-        let state = AdamWMoments::new(m_out, v_out, step_out);
+        let state = AdamWMoments::new(m_out, v_out, max_out, step_out);
         (p_out, state)
     }
 
@@ -498,13 +541,14 @@ impl<B: FusionBackend + OptimKernels> OptimKernels for Fusion<B> {
         if param.shape().num_elements() == 0 {
             return fallback::adamw_step::<Self>(param, grad, state, scaling, lr, config);
         }
-        let outputs = [
+        let mut outputs = vec![
             fusion::like::<B>(&param),
             fusion::like::<B>(&state.exp_avg),
             fusion::like::<B>(&state.exp_avg_sq),
             (state.step.shape(), DType::F32),
         ];
-        let inputs = vec![
+        outputs.extend(state.max_exp_avg_sq.as_ref().map(fusion::like::<B>));
+        let mut inputs = vec![
             param,
             grad,
             state.exp_avg,
@@ -513,16 +557,23 @@ impl<B: FusionBackend + OptimKernels> OptimKernels for Fusion<B> {
             scaling.inv_scale,
             scaling.found_inf,
         ];
+        inputs.extend(state.max_exp_avg_sq);
         let config = config.clone();
         let out = fusion::custom_op::<B, _>("burn_amp_adamw_step", inputs, &outputs, move |i| {
-            let [p, g, m, v, step, inv_scale, found_inf]: [_; 7] = i.try_into().ok().unwrap();
-            let state = AdamWMoments::new(m, v, step);
-            let scaling = Scaling::new(inv_scale, found_inf);
+            let mut i = i.into_iter();
+            let mut next = || i.next().unwrap();
+            let (p, g, m, v, step) = (next(), next(), next(), next(), next());
+            let scaling = Scaling::new(next(), next());
+            let state = AdamWMoments::new(m, v, i.next(), step);
             let (p, s) = B::adamw_step(p, g, state, scaling, lr, &config);
-            vec![p, s.exp_avg, s.exp_avg_sq, s.step]
+            let mut out = vec![p, s.exp_avg, s.exp_avg_sq, s.step];
+            out.extend(s.max_exp_avg_sq);
+            out
         });
-        let [p, exp_avg, exp_avg_sq, step]: [_; 4] = out.try_into().ok().unwrap();
-        let state = AdamWMoments::new(exp_avg, exp_avg_sq, step);
+        let mut out = out.into_iter();
+        let mut next = || out.next().unwrap();
+        let (p, exp_avg, exp_avg_sq, step) = (next(), next(), next(), next());
+        let state = AdamWMoments::new(exp_avg, exp_avg_sq, out.next(), step);
         (p, state)
     }
 

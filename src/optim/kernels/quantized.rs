@@ -71,6 +71,7 @@ pub mod fallback {
         let moments = AdamWMoments {
             exp_avg: B::float_reshape(m, shape.clone()),
             exp_avg_sq: B::float_reshape(B::float_mul(sq.clone(), sq), shape),
+            max_exp_avg_sq: None,
             step: state.step.clone(),
         };
         let found_inf = scaling.found_inf.clone();
@@ -235,6 +236,7 @@ pub(super) mod cube {
                 min_binade,
                 words_per_block,
                 rounding.is_some(),
+                c.cautious_weight_decay,
                 dtypes,
             )
         };

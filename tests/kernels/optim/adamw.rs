@@ -2,12 +2,13 @@
 
 use super::*;
 
-/// A run of AdamW steps (one skipped), kernel against fallback: parameter, moments and the
-/// step count each returns.
+/// A run of AdamW steps (one skipped), kernel against fallback: parameter, moments (AMSGrad's
+/// maximum too when `c.amsgrad`) and the step count each returns.
 #[allow(clippy::too_many_arguments)]
 pub(super) fn run_adamw_plan<B: AmpKernels>(
     device: &B::Device,
     rng: &mut Rng,
+    c: &FusedAdamWConfig,
     shape: &[usize],
     dtype: FloatDType,
     grad_dtype: FloatDType,
@@ -16,13 +17,18 @@ pub(super) fn run_adamw_plan<B: AmpKernels>(
     plan: &[bool],
 ) {
     let lr = 1e-2;
-    let c = adamw_config(0.9, 0.999, 1e-8, 0.01);
     let tol = step_tol(dtype);
     let n: usize = shape.iter().product();
     let p0 = rng.vec(n, 1.0);
-    let new = |p: &Vec<f32>| AdamState::<B> {
-        p: tensor::<B>(p.clone(), shape, dtype, device),
-        s: zero_moments::<B>(shape, 0.0, device),
+    let new = |p: &Vec<f32>| {
+        let mut s = zero_moments::<B>(shape, 0.0, device);
+        if c.amsgrad {
+            s.max_exp_avg_sq = Some(tensor::<B>(vec![0.0; n], shape, FloatDType::F32, device));
+        }
+        AdamState::<B> {
+            p: tensor::<B>(p.clone(), shape, dtype, device),
+            s,
+        }
     };
     let (mut k, mut r) = (new(&p0), new(&p0));
     // (a) The count handed in is the steps applied BEFORE this one (the old signature took
@@ -30,7 +36,9 @@ pub(super) fn run_adamw_plan<B: AmpKernels>(
     let mut applied = 0.0f32;
     for (i, &skip) in plan.iter().enumerate() {
         let what = format!(
-            "adamw {shape:?} {dtype:?} grad {grad_dtype:?} inv {inv_scale} step {i} skip {skip}"
+            "adamw {shape:?} {dtype:?} grad {grad_dtype:?} inv {inv_scale} amsgrad {} \
+             cautious {} step {i} skip {skip}",
+            c.amsgrad, c.cautious_weight_decay
         );
         let mut g = rng.vec(n, grad_magnitude);
         if skip {
@@ -42,7 +50,7 @@ pub(super) fn run_adamw_plan<B: AmpKernels>(
         // This step, on the kernel's state (`kernel`) or on the fallback's.
         let step = |kernel, a: AdamState<B>| {
             let scaling = scaling::<B>(inv_scale, found, device);
-            let (p, s) = adamw::<B>(kernel, a.p, grad(), a.s, scaling, lr, &c);
+            let (p, s) = adamw::<B>(kernel, a.p, grad(), a.s, scaling, lr, c);
             AdamState { p, s }
         };
         k = step(true, k);
@@ -69,12 +77,36 @@ pub(super) fn run_adamw_plan<B: AmpKernels>(
         );
         if let Some(before) = before {
             let after = adam_bytes::<B>(&k);
-            for (j, name) in ["param", "exp_avg", "exp_avg_sq", "step count"]
-                .iter()
-                .enumerate()
-            {
+            let names = [
+                "param",
+                "exp_avg",
+                "exp_avg_sq",
+                "step count",
+                "max_exp_avg_sq",
+            ];
+            assert_eq!(after.len(), before.len(), "{what}: state tensors");
+            for (j, name) in names.iter().take(after.len()).enumerate() {
                 assert!(after[j] == before[j], "{what}: {name} not bit-identical");
             }
+        }
+        assert_eq!(
+            k.s.max_exp_avg_sq.is_some(),
+            c.amsgrad,
+            "{what}: kernel's AMSGrad maximum"
+        );
+        assert_eq!(
+            r.s.max_exp_avg_sq.is_some(),
+            c.amsgrad,
+            "{what}: fallback's AMSGrad maximum"
+        );
+        if let (Some(km), Some(rm)) = (&k.s.max_exp_avg_sq, &r.s.max_exp_avg_sq) {
+            let (km, rm) = (values::<B>(km.clone()), values::<B>(rm.clone()));
+            assert_close(&format!("{what} max_exp_avg_sq"), &km, &rm, F32_STEP);
+            let v = values::<B>(k.s.exp_avg_sq.clone());
+            assert!(
+                km.iter().zip(&v).all(|(max, v)| max >= v),
+                "{what}: the maximum is below the second moment"
+            );
         }
         let kp = values::<B>(k.p.clone());
         assert_close(
@@ -103,12 +135,14 @@ pub(super) fn run_adamw_plan<B: AmpKernels>(
 
 fn check_adamw<B: AmpKernels>(device: &B::Device, dtype: FloatDType) {
     let mut rng = Rng::new(11);
+    let c = adamw_config(0.9, 0.999, 1e-8, 0.01);
     for shape in STEP_SHAPES {
         // Step 3 overflows: skipped, and the step count does not move.
         let plan = [false, false, true, false, false];
         run_adamw_plan::<B>(
             device,
             &mut rng,
+            &c,
             shape,
             dtype,
             dtype,
@@ -116,6 +150,118 @@ fn check_adamw<B: AmpKernels>(device: &B::Device, dtype: FloatDType) {
             1000.0,
             &plan,
         );
+    }
+}
+
+/// AMSGrad and cautious weight decay, each and both, kernel against fallback over steps with
+/// an overflow (skipped bit for bit, AMSGrad's maximum included). Whether each variant
+/// changes the step: `check_adamw_variants_by_hand`.
+fn check_adamw_variants<B: AmpKernels>(device: &B::Device, dtype: FloatDType) {
+    let mut rng = Rng::new(17);
+    for (amsgrad, cautious) in [(true, false), (false, true), (true, true)] {
+        let c = adamw_config(0.9, 0.99, 1e-8, 0.1)
+            .with_amsgrad(amsgrad)
+            .with_cautious_weight_decay(cautious);
+        for shape in [&[4097][..], &[16, 24], &[3]] {
+            let plan = [false, false, true, false, false];
+            run_adamw_plan::<B>(device, &mut rng, &c, shape, dtype, dtype, 1.0, 1.0, &plan);
+        }
+    }
+}
+
+/// Each variant changes the step it should, where it should: from a state whose second
+/// moment is above the new one (AMSGrad divides by the old maximum) and parameters whose
+/// sign disagrees with their first moment on about half the elements (cautious decay keeps
+/// those), kernel and fallback against the hand formula (f64).
+fn check_adamw_variants_by_hand<B: AmpKernels>(device: &B::Device) {
+    let (lr, beta_1, beta_2, epsilon, weight_decay) = (0.1f32, 0.9f32, 0.99f32, 1e-8f32, 0.5f32);
+    let mut rng = Rng::new(23);
+    let n = 1000;
+    let p0 = rng.vec(n, 1.0);
+    let g = rng.vec(n, 1.0);
+    let m0 = rng.vec(n, 1.0);
+    let v0: Vec<f32> = rng.vec(n, 1.0).iter().map(|x| x * x).collect();
+    let max0: Vec<f32> = v0.iter().map(|v| v * 4.0).collect();
+    for (amsgrad, cautious) in [(false, false), (true, false), (false, true), (true, true)] {
+        let what = format!("adamw by hand, amsgrad {amsgrad} cautious {cautious}");
+        let c = adamw_config(beta_1, beta_2, epsilon, weight_decay)
+            .with_amsgrad(amsgrad)
+            .with_cautious_weight_decay(cautious);
+        let (b1, b2, t) = (beta_1 as f64, beta_2 as f64, 3);
+        let (mut kept, mut larger) = (0, 0);
+        let hand: Vec<f32> = (0..n)
+            .map(|i| {
+                let gi = g[i] as f64;
+                let m = b1 * m0[i] as f64 + (1.0 - b1) * gi;
+                let v = b2 * v0[i] as f64 + (1.0 - b2) * gi * gi;
+                let denom = if amsgrad { v.max(max0[i] as f64) } else { v };
+                larger += usize::from(amsgrad && denom > v);
+                let p = p0[i] as f64;
+                let opposed = p * m < 0.0;
+                kept += usize::from(cautious && opposed);
+                let decayed = if cautious && opposed {
+                    p
+                } else {
+                    p * (1.0 - lr as f64 * weight_decay as f64)
+                };
+                let update = (m / (1.0 - b1.powi(t)))
+                    / ((denom / (1.0 - b2.powi(t))).sqrt() + epsilon as f64);
+                (decayed - lr as f64 * update) as f32
+            })
+            .collect();
+        // The data makes each variant matter on a good share of the elements.
+        if amsgrad {
+            assert!(
+                larger > n / 2,
+                "{what}: the maximum divides on {larger} of {n}"
+            );
+        }
+        if cautious {
+            assert!(
+                (n / 4..3 * n / 4).contains(&kept),
+                "{what}: {kept} of {n} kept"
+            );
+        }
+        for kernel in [true, false] {
+            let state = AdamWMoments {
+                exp_avg: tensor::<B>(m0.clone(), &[n], FloatDType::F32, device),
+                exp_avg_sq: tensor::<B>(v0.clone(), &[n], FloatDType::F32, device),
+                max_exp_avg_sq: amsgrad
+                    .then(|| tensor::<B>(max0.clone(), &[n], FloatDType::F32, device)),
+                step: scalar::<B>(2.0, device),
+            };
+            let (p, s) = adamw::<B>(
+                kernel,
+                tensor::<B>(p0.clone(), &[n], FloatDType::F32, device),
+                tensor::<B>(g.clone(), &[n], FloatDType::F32, device),
+                state,
+                scaling::<B>(1.0, 0.0, device),
+                lr,
+                &c,
+            );
+            let what = format!("{what}, kernel {kernel}");
+            assert_close(
+                &format!("{what}: param"),
+                &values::<B>(p),
+                &hand,
+                Tol {
+                    rtol: 1e-5,
+                    atol_of_max: 0.0,
+                    atol: 1e-6,
+                },
+            );
+            if amsgrad {
+                let want: Vec<f32> = (0..n)
+                    .map(|i| {
+                        let v = beta_2 as f64 * v0[i] as f64
+                            + (1.0 - beta_2 as f64) * (g[i] as f64).powi(2);
+                        v.max(max0[i] as f64) as f32
+                    })
+                    .collect();
+                let max = values::<B>(s.max_exp_avg_sq.expect("AMSGrad's maximum"));
+                assert_close(&format!("{what}: max_exp_avg_sq"), &max, &want, F32_STEP);
+            }
+        }
     }
 }
 
@@ -153,6 +299,7 @@ fn check_adamw_skip_with_clones<B: AmpKernels>(device: &B::Device) {
         let state = AdamWMoments {
             exp_avg: m.clone(),
             exp_avg_sq: v.clone(),
+            max_exp_avg_sq: None,
             step: step.clone(),
         };
         let grad = tensor::<B>(
@@ -231,6 +378,7 @@ fn check_adamw_per_parameter_counts<B: AmpKernels>(device: &B::Device, dtype: Fl
             let state = AdamWMoments {
                 exp_avg: tensor::<B>(m0.clone(), &[n], FloatDType::F32, device),
                 exp_avg_sq: tensor::<B>(v0.clone(), &[n], FloatDType::F32, device),
+                max_exp_avg_sq: None,
                 step: scalar::<B>(count0, device),
             };
             let (p, s) = adamw::<B>(
@@ -295,6 +443,9 @@ fn check_adamw_per_parameter_counts<B: AmpKernels>(device: &B::Device, dtype: Fl
 on_both! {
     adamw_f32: check_adamw(FloatDType::F32);
     adamw_f16: check_adamw(FloatDType::F16);
+    adamw_amsgrad_and_cautious_f32: check_adamw_variants(FloatDType::F32);
+    adamw_amsgrad_and_cautious_f16: check_adamw_variants(FloatDType::F16);
+    adamw_amsgrad_and_cautious_by_hand: check_adamw_variants_by_hand();
     adamw_skip_with_held_clones: check_adamw_skip_with_clones();
     adamw_per_parameter_counts_f32: check_adamw_per_parameter_counts(FloatDType::F32);
     adamw_per_parameter_counts_f16: check_adamw_per_parameter_counts(FloatDType::F16);

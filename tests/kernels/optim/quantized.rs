@@ -77,12 +77,16 @@ fn assert_codes_close(what: &str, kernel: Vec<i32>, fallback: Vec<i32>) {
 }
 
 /// Steps of `plan` (true: skipped) on a `[50, 100]` parameter of `dtype` (20 blocks of 256,
-/// the last one partial), kernel against fallback from the kernel's state each time.
+/// the last one partial), kernel against fallback from the kernel's state each time; with
+/// cautious weight decay, which must also change the kernel's step from the plain decay's
+/// (by the decay, `lr * weight_decay` relative, 100 times the tolerance) on some elements
+/// and not on others.
 fn check_adamw8bit<B: AmpKernels>(
     device: &B::Device,
     dtype: FloatDType,
     map: QuantMap,
     rounding: WeightRounding,
+    cautious: bool,
 ) {
     let shape = [50usize, 100];
     let n = 5000;
@@ -94,6 +98,7 @@ fn check_adamw8bit<B: AmpKernels>(
             min_numel: 0,
         })
         .with_weight_rounding(rounding)
+        .with_cautious_weight_decay(cautious)
         .with_seed(42);
     let mut rng = Rng::new(8);
     let mut p = tensor::<B>(rng.vec(n, 1.0), &shape, dtype, device);
@@ -101,7 +106,9 @@ fn check_adamw8bit<B: AmpKernels>(
     let plan = [false, false, true, false, false, false];
     let mut applied = 0.0;
     for (i, &skip) in plan.iter().enumerate() {
-        let what = format!("adamw8bit {dtype:?} {map:?} {rounding:?} step {i} skip {skip}");
+        let what = format!(
+            "adamw8bit {dtype:?} {map:?} {rounding:?} cautious {cautious} step {i} skip {skip}"
+        );
         // Blocks of very different magnitudes: the block maxima, not one scale, must carry it.
         let mut g = rng.vec(n, 1.0);
         for (j, v) in g.iter_mut().enumerate() {
@@ -116,6 +123,16 @@ fn check_adamw8bit<B: AmpKernels>(
         let before = state_bytes::<B>(&p, &s);
         let (pk, sk) = B::adamw8bit_step(p.clone(), grad(), s.clone(), sc(), 1e-2, &c);
         let (pf, sf) = adamw8bit_step::<B>(p.clone(), grad(), s.clone(), sc(), 1e-2, &c);
+        if cautious && !skip {
+            let plain = c.clone().with_cautious_weight_decay(false);
+            let (pp, _) = B::adamw8bit_step(p.clone(), grad(), s.clone(), sc(), 1e-2, &plain);
+            let (k, plain) = (values::<B>(pk.clone()), values::<B>(pp));
+            let kept = k.iter().zip(&plain).filter(|(a, b)| a != b).count();
+            assert!(
+                (n / 10..9 * n / 10).contains(&kept),
+                "{what}: cautious decay changed {kept} of {n} elements"
+            );
+        }
         if skip {
             assert_eq!(
                 state_bytes::<B>(&pk, &sk),
@@ -215,8 +232,9 @@ fn check_adamw_stochastic<B: AmpKernels>(device: &B::Device) {
 }
 
 on_both! {
-    adamw8bit_f32_dynamic: check_adamw8bit(FloatDType::F32, QuantMap::Dynamic, WeightRounding::Nearest);
-    adamw8bit_f32_linear: check_adamw8bit(FloatDType::F32, QuantMap::Linear, WeightRounding::Nearest);
-    adamw8bit_f16_stochastic: check_adamw8bit(FloatDType::F16, QuantMap::Dynamic, WeightRounding::Stochastic);
+    adamw8bit_f32_dynamic: check_adamw8bit(FloatDType::F32, QuantMap::Dynamic, WeightRounding::Nearest, false);
+    adamw8bit_f32_linear: check_adamw8bit(FloatDType::F32, QuantMap::Linear, WeightRounding::Nearest, false);
+    adamw8bit_f16_stochastic: check_adamw8bit(FloatDType::F16, QuantMap::Dynamic, WeightRounding::Stochastic, false);
+    adamw8bit_f32_cautious: check_adamw8bit(FloatDType::F32, QuantMap::Dynamic, WeightRounding::Nearest, true);
     adamw_f16_stochastic: check_adamw_stochastic();
 }

@@ -9,10 +9,12 @@ fn check_scaled_steps_f16_grads<B: AmpKernels>(device: &B::Device, param_dtype: 
     let inv = 1.0f32 / 65536.0;
     let mut rng = Rng::new(53);
     let plan = [false, true, false, false];
+    let c = adamw_config(0.9, 0.999, 1e-8, 0.01);
     for shape in [&[4097][..], &[16, 24], &[3]] {
         run_adamw_plan::<B>(
             device,
             &mut rng,
+            &c,
             shape,
             param_dtype,
             FloatDType::F16,
