@@ -5,7 +5,8 @@
 //! `MemoryReport`), the peak of a measured step (Flex, `CountingAlloc`), final loss, and time
 //! per step against f32 AdamW. One table, then one JSON line.
 //!
-//! `cargo bench --bench low_bit` (`cargo test` runs it small, as a smoke test).
+//! `cargo bench --bench low_bit` (`cargo test` runs it small, as a smoke test; `-- --kernels`
+//! times the optimizer kernels alone).
 
 #[path = "../tests/common/mod.rs"]
 mod common;
@@ -186,7 +187,8 @@ fn kernel_times(n: usize, rounds: usize) -> Option<Vec<(&'static str, f64)>> {
     let stochastic = FusedAdamWConfig::new().with_weight_rounding(WeightRounding::Stochastic);
     let amsgrad = FusedAdamWConfig::new().with_amsgrad(true);
     let cautious = FusedAdamWConfig::new().with_cautious_weight_decay(true);
-    let cases: [(&'static str, FloatDType, bool, &FusedAdamWConfig); 6] = [
+    let adam = FusedAdamWConfig::adam().with_weight_decay(0.01);
+    let cases: [(&'static str, FloatDType, bool, &FusedAdamWConfig); 7] = [
         ("f32 AdamW, f32 param", FloatDType::F32, false, &nearest),
         (
             "f32 AdamW + AMSGrad, f32 param",
@@ -199,6 +201,12 @@ fn kernel_times(n: usize, rounds: usize) -> Option<Vec<(&'static str, f64)>> {
             FloatDType::F32,
             false,
             &cautious,
+        ),
+        (
+            "Adam (L2 penalty), f32 param",
+            FloatDType::F32,
+            false,
+            &adam,
         ),
         ("8-bit AdamW, f32 param", FloatDType::F32, true, &nearest),
         (
@@ -270,8 +278,10 @@ fn main() {
         )
     };
     let lr = 1e-3;
+    let kernels_only = args.iter().any(|a| a == "--kernels");
     let rows: Vec<Row> = variants()
         .into_iter()
+        .filter(|_| !kernels_only)
         .map(|v| {
             let config = config.clone();
             std::thread::spawn(move || train(v, &config, steps, batch, lr))
@@ -279,37 +289,39 @@ fn main() {
                 .unwrap()
         })
         .collect();
-    let base = &rows[0];
-    println!(
-        "TinyLm d_model {} d_ff {} seq {} layers {}, batch {batch}, {steps} steps of AdamW (lr {lr}), Flex",
-        config.d_model, config.d_ff, config.seq_len, config.n_layers
-    );
-    println!(
-        "| variant | bytes / param | optimizer state | peak of a step | loss first → last 20 | final / f32 | time / f32 |"
-    );
-    println!("|---|---|---|---|---|---|---|");
     let mut json = Vec::new();
-    for r in &rows {
-        let bpp = r.report.bytes_per_parameter().unwrap_or(f64::NAN);
-        let peak = r.report.peak_in_use.unwrap_or(0);
+    // The training table (not with `--kernels`).
+    if let Some(base) = rows.first() {
         println!(
-            "| {} | {bpp:.2} | {:.3} MiB | {:.2} MiB | {:.3} → {:.3} | {:.3} | {:.2} |",
-            r.variant.name,
-            common::mib(r.report.optimizer_state),
-            common::mib(peak),
-            r.first_loss,
-            r.final_loss,
-            r.final_loss / base.final_loss,
-            r.ms_per_step / base.ms_per_step,
+            "TinyLm d_model {} d_ff {} seq {} layers {}, batch {batch}, {steps} steps of AdamW (lr {lr}), Flex",
+            config.d_model, config.d_ff, config.seq_len, config.n_layers
         );
-        json.push(format!(
-            "{{\"variant\":\"{}\",\"bytes_per_param\":{bpp:.4},\"optimizer_state\":{},\"peak\":{peak},\"final_loss\":{:.5},\"loss_ratio\":{:.4},\"time_ratio\":{:.4}}}",
-            r.variant.name,
-            r.report.optimizer_state,
-            r.final_loss,
-            r.final_loss / base.final_loss,
-            r.ms_per_step / base.ms_per_step
-        ));
+        println!(
+            "| variant | bytes / param | optimizer state | peak of a step | loss first → last 20 | final / f32 | time / f32 |"
+        );
+        println!("|---|---|---|---|---|---|---|");
+        for r in &rows {
+            let bpp = r.report.bytes_per_parameter().unwrap_or(f64::NAN);
+            let peak = r.report.peak_in_use.unwrap_or(0);
+            println!(
+                "| {} | {bpp:.2} | {:.3} MiB | {:.2} MiB | {:.3} → {:.3} | {:.3} | {:.2} |",
+                r.variant.name,
+                common::mib(r.report.optimizer_state),
+                common::mib(peak),
+                r.first_loss,
+                r.final_loss,
+                r.final_loss / base.final_loss,
+                r.ms_per_step / base.ms_per_step,
+            );
+            json.push(format!(
+                "{{\"variant\":\"{}\",\"bytes_per_param\":{bpp:.4},\"optimizer_state\":{},\"peak\":{peak},\"final_loss\":{:.5},\"loss_ratio\":{:.4},\"time_ratio\":{:.4}}}",
+                r.variant.name,
+                r.report.optimizer_state,
+                r.final_loss,
+                r.final_loss / base.final_loss,
+                r.ms_per_step / base.ms_per_step
+            ));
+        }
     }
     let n = if full { 1 << 22 } else { 1 << 16 };
     let kernels = kernel_times(n, if full { 10 } else { 2 }).unwrap_or_default();

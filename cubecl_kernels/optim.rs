@@ -35,7 +35,8 @@ pub fn decayed(p: f32, m: f32, decay: f32, #[comptime] cautious: bool) -> f32 {
 }
 
 /// One AdamW step on one parameter; `optim::kernels::fallback::adamw_step` op for op. With
-/// `max_exp_avg_sq` (AMSGrad) the denominator uses the running maximum of the second moment.
+/// `max_exp_avg_sq` (AMSGrad) the denominator uses the running maximum of the second moment;
+/// with `has_l2` (Adam) the gradient gets `l2 * p` and `decay` is 1.
 ///
 /// When `found_inf[0]` is raised, the outputs receive the inputs unchanged (a bit copy, a
 /// no-op when the outputs alias the inputs) and the count stays.
@@ -64,11 +65,13 @@ pub fn adamw_kernel<P: Float, G: Float, N: Size>(
     ln_beta2: f32,
     epsilon: f32,
     decay: f32,
+    l2: f32,
     seed: u32,
     ulp_scale: f32,
     min_binade: f32,
     #[comptime] stochastic: bool,
     #[comptime] cautious: bool,
+    #[comptime] has_l2: bool,
     #[define(P, G)] _dtypes: [StorageType; 2],
 ) {
     let skipped = found_inf[0] > 0.5f32;
@@ -89,7 +92,11 @@ pub fn adamw_kernel<P: Float, G: Float, N: Size>(
     }
 
     let p = Vector::<f32, N>::cast_from(param[pos]);
-    let g = Vector::<f32, N>::cast_from(grad[pos]) * Vector::new(inv_scale[0]);
+    let mut g = Vector::<f32, N>::cast_from(grad[pos]) * Vector::new(inv_scale[0]);
+    if comptime![has_l2] {
+        // Adam's L2 penalty, on the unscaled gradient.
+        g += p * Vector::new(l2);
+    }
     let m = exp_avg[pos] * Vector::new(beta1) + g * Vector::new(one_minus_beta1);
     let v = exp_avg_sq[pos] * Vector::new(beta2) + (g * g) * Vector::new(one_minus_beta2);
 

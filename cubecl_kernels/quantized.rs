@@ -71,12 +71,14 @@ pub fn adamw8bit_kernel<P: Float, G: Float>(
     ln_beta2: f32,
     epsilon: f32,
     decay: f32,
+    l2: f32,
     seed: u32,
     ulp_scale: f32,
     min_binade: f32,
     #[comptime] words_per_block: usize,
     #[comptime] stochastic: bool,
     #[comptime] cautious: bool,
+    #[comptime] has_l2: bool,
     #[define(P, G)] _dtypes: [StorageType; 2],
 ) {
     let block = CUBE_POS;
@@ -128,7 +130,10 @@ pub fn adamw8bit_kernel<P: Float, G: Float>(
         let mut m = 0.0f32;
         let mut s = 0.0f32;
         if index < numel {
-            let g = f32::cast_from(grad[index]) * inv_scale[0];
+            let mut g = f32::cast_from(grad[index]) * inv_scale[0];
+            if comptime![has_l2] {
+                g += f32::cast_from(param[index]) * l2;
+            }
             m = m_old * beta1 + g * one_minus_beta1;
             let v = s_old * s_old * beta2 + (g * g) * one_minus_beta2;
             s = f32::sqrt(v);

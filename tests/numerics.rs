@@ -212,9 +212,9 @@ fn nesterov_needs_momentum_and_no_dampening() {
 }
 
 /// AMSGrad keeps an f32 maximum beside the moments; with 8-bit moments the config is refused
-/// with an error that says what to do, not quantized in part.
+/// with an error that says what to do, not quantized in part. So is cautious decay of Adam.
 #[test]
-fn amsgrad_needs_f32_moments() {
+fn combinations_that_cannot_run_are_refused() {
     let refused = FusedAdamWConfig::memory_saving()
         .with_amsgrad(true)
         .init::<B, Two<B>>();
@@ -231,6 +231,15 @@ fn amsgrad_needs_f32_moments() {
     assert!(f32_moments.init::<B, Two<B>>().is_ok());
     let cautious = FusedAdamWConfig::memory_saving().with_cautious_weight_decay(true);
     assert!(cautious.init::<B, Two<B>>().is_ok());
+    // Cautious decay masks AdamW's decoupled decay; Adam's L2 penalty has none to mask.
+    let l2 = FusedAdamWConfig::adam()
+        .with_weight_decay(1e-2)
+        .with_cautious_weight_decay(true)
+        .init::<B, Two<B>>();
+    let Err(err) = l2 else {
+        panic!("cautious decay with an L2 penalty was accepted")
+    };
+    assert!(err.to_string().contains("decoupled_weight_decay"), "{err}");
 }
 
 /// A GAN's generator and discriminator, two optimizers, one scaler: each steps once, each

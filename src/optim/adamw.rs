@@ -79,9 +79,15 @@ pub struct FusedAdamWConfig {
     /// Denominator epsilon, ≥ 0.
     #[config(default = 1e-8)]
     pub epsilon: f32,
-    /// Decoupled weight decay, ≥ 0.
+    /// Weight decay, ≥ 0: decoupled (AdamW) unless `decoupled_weight_decay` is false.
     #[config(default = 0.01)]
     pub weight_decay: f32,
+    /// Whether the weight decay is AdamW's, applied to the value (`p *= 1 - lr * wd`), or
+    /// Adam's L2 penalty, added to the gradient before the moments (`g += wd * p`: Burn's
+    /// `AdamConfig` with a `WeightDecayConfig`, PyTorch's `Adam`). PyTorch's name;
+    /// [`adam`](Self::adam) sets it false.
+    #[config(default = true)]
+    pub decoupled_weight_decay: bool,
     /// Cautious weight decay ([Chen et al., 2025](https://arxiv.org/abs/2510.12402), Burn's
     /// `cautious_weight_decay`): decay only the elements whose update moves them the way the
     /// decay would (update and parameter of one sign; a zero counts as either, as the paper's
@@ -140,6 +146,13 @@ impl FusedAdamWConfig {
             self.weight_decay >= 0.0,
             "a finite number >= 0",
         )?;
+        if self.cautious_weight_decay && !self.decoupled_weight_decay {
+            return Err(OptimError::Unsupported {
+                optimizer: name,
+                what: "cautious weight decay with an L2 penalty (decoupled_weight_decay = false)",
+                instead: "cautious decay masks AdamW's decoupled decay: set decoupled_weight_decay to true, or cautious_weight_decay to false",
+            });
+        }
         if let MomentStorage::Int8 { block, .. } = self.moments {
             if self.amsgrad {
                 return Err(OptimError::Unsupported {
@@ -157,6 +170,14 @@ impl FusedAdamWConfig {
             )?;
         }
         Ok(())
+    }
+
+    /// Adam, as PyTorch's `Adam` (weight decay 0; a weight decay set later is an L2 penalty
+    /// on the gradient). Burn's `AdamConfig` has epsilon 1e-5 where PyTorch has 1e-8.
+    pub fn adam() -> Self {
+        Self::new()
+            .with_weight_decay(0.0)
+            .with_decoupled_weight_decay(false)
     }
 
     /// The memory-saving AdamW: 8-bit moments and stochastic rounding into half-precision

@@ -3,8 +3,8 @@
 //! written out here on the host: the mean of a window's micro-batches (a parameter missing
 //! from some counts as zero there, one missing from all is not stepped), the window skipped
 //! whole when any micro-batch overflowed, the global-norm clip of the unscaled mean, AdamW
-//! (with AMSGrad and cautious weight decay, each drawn), and PyTorch's scale update with
-//! DeepSpeed's hysteresis. The runs stop and resume from
+//! (with AMSGrad, cautious weight decay, or as Adam with an L2 penalty, each drawn), and
+//! PyTorch's scale update with DeepSpeed's hysteresis. The runs stop and resume from
 //! saved records at random micro-steps, mid-window included.
 //!
 //! The loss is `Σ w ⊙ tw + Σ b ⊙ tb` with fixed targets, so a micro-batch's gradients are its
@@ -16,7 +16,8 @@
 
 use burn::module::{Module, Param};
 use burn::optim::adaptor::OptimizerAdaptor;
-use burn::optim::{AdamW, AdamWConfig, GradientsParams, Optimizer};
+use burn::optim::decay::WeightDecayConfig;
+use burn::optim::{Adam, AdamConfig, AdamW, AdamWConfig, GradientsParams, Optimizer};
 use burn::prelude::*;
 use burn_amp::accumulate::GradientAccumulationConfig;
 use burn_amp::optim::FusedAdamWConfig;
@@ -85,6 +86,8 @@ struct Schedule {
     hysteresis: u32,
     amsgrad: bool,
     cautious: bool,
+    /// Adam: the weight decay an L2 penalty on the gradient (never cautious).
+    adam: bool,
     w: Vec<f32>,
     b: Vec<f32>,
     micros: Vec<Micro>,
@@ -122,7 +125,7 @@ impl Schedule {
             true => None,
             false => [None, Some(0.05), Some(0.5), Some(5.0)][rng.below(4)],
         };
-        Self {
+        let mut s = Self {
             seed,
             fused: rng.below(2) == 0,
             direct,
@@ -137,7 +140,10 @@ impl Schedule {
             // Drawn last: the schedules drawn before these options came stay as they were.
             amsgrad: rng.below(2) == 0,
             cautious: rng.below(2) == 0,
-        }
+            adam: rng.below(3) == 0,
+        };
+        s.cautious &= !s.adam;
+        s
     }
 
     fn scaler(&self) -> GradScalerConfig {
@@ -284,7 +290,12 @@ fn adamw(s: &Schedule, param: &mut [f32], state: &mut Moments, grad: &[f32]) -> 
     let bc2 = 1.0 - BETA_2.powi(state.steps);
     let (mut mattered, mut kept) = (0, 0);
     for i in 0..param.len() {
-        let g = grad[i];
+        // Adam: the penalty joins the gradient; AdamW: the value decays below.
+        let g = if s.adam {
+            grad[i] + WEIGHT_DECAY * param[i]
+        } else {
+            grad[i]
+        };
         state.m[i] = BETA_1 * state.m[i] + (1.0 - BETA_1) * g;
         state.v[i] = BETA_2 * state.v[i] + (1.0 - BETA_2) * g * g;
         let mut v = state.v[i];
@@ -297,7 +308,7 @@ fn adamw(s: &Schedule, param: &mut [f32], state: &mut Moments, grad: &[f32]) -> 
         // Cautious: no decay where the value and the update have opposite signs.
         let opposed = param[i] * state.m[i] < 0.0;
         kept += u64::from(s.cautious && opposed);
-        if !(s.cautious && opposed) {
+        if !(s.cautious && opposed || s.adam) {
             param[i] *= 1.0 - LR * WEIGHT_DECAY;
         }
         param[i] -= LR * update;
@@ -330,7 +341,8 @@ where
         let what = || {
             format!(
                 "schedule {} (fused {}, direct {}, N {}, clip {:?}, growth interval {}, \
-                 hysteresis {}, amsgrad {}, cautious {}), after micro-step {k} {micro:?}",
+                 hysteresis {}, amsgrad {}, cautious {}, adam {}), after micro-step {k} \
+                 {micro:?}",
                 s.seed,
                 s.fused,
                 s.direct,
@@ -339,7 +351,8 @@ where
                 s.growth_interval,
                 s.hysteresis,
                 s.amsgrad,
-                s.cautious
+                s.cautious,
+                s.adam
             )
         };
         for (got, want) in pair.values().iter().zip(&model.params) {
@@ -386,7 +399,7 @@ fn accumulated<O>(s: &Schedule, inner: O) -> GradientAccumulation<O, B> {
 #[test]
 fn random_schedules_follow_the_semantics() {
     let _serial = serial();
-    let mut exercised = [0u64; 8];
+    let mut exercised = [0u64; 9];
     for seed in 0..96 {
         let s = Schedule::draw(seed);
         let resumed_mid_window = s
@@ -400,8 +413,15 @@ fn random_schedules_follow_the_semantics() {
             .with_epsilon(EPSILON)
             .with_weight_decay(WEIGHT_DECAY)
             .with_amsgrad(s.amsgrad)
-            .with_cautious_weight_decay(s.cautious);
-        let burn = AdamWConfig::new()
+            .with_cautious_weight_decay(s.cautious)
+            .with_decoupled_weight_decay(!s.adam);
+        let burn_adam = AdamConfig::new()
+            .with_beta_1(BETA_1)
+            .with_beta_2(BETA_2)
+            .with_epsilon(EPSILON)
+            .with_weight_decay(Some(WeightDecayConfig::new(WEIGHT_DECAY)))
+            .with_amsgrad(s.amsgrad);
+        let burn_adamw = AdamWConfig::new()
             .with_beta_1(BETA_1)
             .with_beta_2(BETA_2)
             .with_epsilon(EPSILON)
@@ -409,12 +429,15 @@ fn random_schedules_follow_the_semantics() {
             .with_amsgrad(s.amsgrad)
             .with_cautious_weight_decay(s.cautious);
         let fused = || fused.init::<B, Pair<B>>().expect("a valid config");
-        let burn = || -> OptimizerAdaptor<AdamW, Pair<B>, B> { burn.init() };
-        let model = match (s.fused, s.direct) {
-            (true, true) => run(&s, fused),
-            (true, false) => run(&s, || accumulated(&s, fused())),
-            (false, true) => run(&s, burn),
-            (false, false) => run(&s, || accumulated(&s, burn())),
+        let burn_adamw = || -> OptimizerAdaptor<AdamW, Pair<B>, B> { burn_adamw.init() };
+        let burn_adam = || -> OptimizerAdaptor<Adam, Pair<B>, B> { burn_adam.init() };
+        let model = match (s.fused, s.adam, s.direct) {
+            (true, _, true) => run(&s, fused),
+            (true, _, false) => run(&s, || accumulated(&s, fused())),
+            (false, false, true) => run(&s, burn_adamw),
+            (false, false, false) => run(&s, || accumulated(&s, burn_adamw())),
+            (false, true, true) => run(&s, burn_adam),
+            (false, true, false) => run(&s, || accumulated(&s, burn_adam())),
         };
         let counts = [
             model.skipped,
@@ -425,6 +448,7 @@ fn random_schedules_follow_the_semantics() {
             u64::from(s.direct),
             model.amsgrad_mattered,
             model.cautious_kept,
+            u64::from(s.adam),
         ];
         for (total, n) in exercised.iter_mut().zip(counts) {
             *total += n;
@@ -432,14 +456,14 @@ fn random_schedules_follow_the_semantics() {
     }
     // The schedules exercised every branch: skipped windows, overflows absorbed by the
     // hysteresis, clipped windows, a bias without gradient for a whole window, runs resumed
-    // mid-window, optimizers without the accumulation wrapper, and AMSGrad's maximum and
-    // cautious weight decay each changing some elements' steps.
+    // mid-window, optimizers without the accumulation wrapper, AMSGrad's maximum and cautious
+    // weight decay each changing some elements' steps, and Adam's L2 penalty.
     assert!(
         exercised.iter().all(|&n| n > 0),
         "not every branch was exercised: {exercised:?}"
     );
     eprintln!(
         "skipped, absorbed, clipped, bias unstepped, resumed mid-window, direct, \
-         AMSGrad's maximum divided, cautiously undecayed: {exercised:?}"
+         AMSGrad's maximum divided, cautiously undecayed, Adam: {exercised:?}"
     );
 }

@@ -114,17 +114,25 @@ struct AdamWConstants {
     one_minus_beta2: f32,
     ln_beta1: f32,
     ln_beta2: f32,
+    /// The value's factor, `1 - lr * wd` (decoupled decay; 1 with an L2 penalty).
     decay: f32,
+    /// The L2 penalty added to the gradient, `wd * p` (`None` for decoupled decay or none).
+    l2: Option<f32>,
 }
 
 impl AdamWConstants {
     fn new(lr: f32, c: &FusedAdamWConfig) -> Self {
+        let decoupled = c.decoupled_weight_decay;
         Self {
             one_minus_beta1: (1.0 - c.beta_1 as f64) as f32,
             one_minus_beta2: (1.0 - c.beta_2 as f64) as f32,
             ln_beta1: (c.beta_1 as f64).ln() as f32,
             ln_beta2: (c.beta_2 as f64).ln() as f32,
-            decay: (1.0 - (lr * c.weight_decay) as f64) as f32,
+            decay: match decoupled {
+                true => (1.0 - (lr * c.weight_decay) as f64) as f32,
+                false => 1.0,
+            },
+            l2: (!decoupled && c.weight_decay != 0.0).then_some(c.weight_decay),
         }
     }
 }
@@ -197,7 +205,10 @@ pub mod fallback {
             step,
         } = state;
         let p = to_f32::<B>(param.clone());
-        let g = B::float_mul(to_f32::<B>(grad), broadcast::<B>(scaling.inv_scale, &shape));
+        let mut g = B::float_mul(to_f32::<B>(grad), broadcast::<B>(scaling.inv_scale, &shape));
+        if let Some(l2) = k.l2 {
+            g = B::float_add(g, B::float_mul_scalar(p.clone(), s(l2 as f64)));
+        }
         let m = B::float_add(
             B::float_mul_scalar(exp_avg.clone(), s(c.beta_1 as f64)),
             B::float_mul_scalar(g.clone(), s(k.one_minus_beta1 as f64)),
@@ -422,11 +433,13 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> OptimKerne
                 k.ln_beta2,
                 c.epsilon,
                 k.decay,
+                k.l2.unwrap_or(0.0),
                 seed,
                 ulp_scale,
                 min_binade,
                 rounding.is_some(),
                 c.cautious_weight_decay,
+                k.l2.is_some(),
                 dtypes,
             )
         };

@@ -231,12 +231,14 @@ pub(super) mod cube {
                 kc.ln_beta2,
                 c.epsilon,
                 kc.decay,
+                kc.l2.unwrap_or(0.0),
                 seed,
                 ulp_scale,
                 min_binade,
                 words_per_block,
                 rounding.is_some(),
                 c.cautious_weight_decay,
+                kc.l2.is_some(),
                 dtypes,
             )
         };

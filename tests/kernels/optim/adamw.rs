@@ -153,15 +153,25 @@ fn check_adamw<B: AmpKernels>(device: &B::Device, dtype: FloatDType) {
     }
 }
 
-/// AMSGrad and cautious weight decay, each and both, kernel against fallback over steps with
-/// an overflow (skipped bit for bit, AMSGrad's maximum included). Whether each variant
+/// The variants of the step: (AMSGrad, cautious weight decay, decoupled weight decay).
+const VARIANTS: [(bool, bool, bool); 5] = [
+    (true, false, true),
+    (false, true, true),
+    (true, true, true),
+    (false, false, false),
+    (true, false, false),
+];
+
+/// AMSGrad, cautious weight decay and Adam's L2 penalty, kernel against fallback over steps
+/// with an overflow (skipped bit for bit, AMSGrad's maximum included). Whether each variant
 /// changes the step: `check_adamw_variants_by_hand`.
 fn check_adamw_variants<B: AmpKernels>(device: &B::Device, dtype: FloatDType) {
     let mut rng = Rng::new(17);
-    for (amsgrad, cautious) in [(true, false), (false, true), (true, true)] {
+    for (amsgrad, cautious, decoupled) in VARIANTS {
         let c = adamw_config(0.9, 0.99, 1e-8, 0.1)
             .with_amsgrad(amsgrad)
-            .with_cautious_weight_decay(cautious);
+            .with_cautious_weight_decay(cautious)
+            .with_decoupled_weight_decay(decoupled);
         for shape in [&[4097][..], &[16, 24], &[3]] {
             let plan = [false, false, true, false, false];
             run_adamw_plan::<B>(device, &mut rng, &c, shape, dtype, dtype, 1.0, 1.0, &plan);
@@ -172,7 +182,8 @@ fn check_adamw_variants<B: AmpKernels>(device: &B::Device, dtype: FloatDType) {
 /// Each variant changes the step it should, where it should: from a state whose second
 /// moment is above the new one (AMSGrad divides by the old maximum) and parameters whose
 /// sign disagrees with their first moment on about half the elements (cautious decay keeps
-/// those), kernel and fallback against the hand formula (f64).
+/// those), kernel and fallback against the hand formula (f64); Adam's L2 penalty enters the
+/// moments instead of decaying the value.
 fn check_adamw_variants_by_hand<B: AmpKernels>(device: &B::Device) {
     let (lr, beta_1, beta_2, epsilon, weight_decay) = (0.1f32, 0.9f32, 0.99f32, 1e-8f32, 0.5f32);
     let mut rng = Rng::new(23);
@@ -182,27 +193,31 @@ fn check_adamw_variants_by_hand<B: AmpKernels>(device: &B::Device) {
     let m0 = rng.vec(n, 1.0);
     let v0: Vec<f32> = rng.vec(n, 1.0).iter().map(|x| x * x).collect();
     let max0: Vec<f32> = v0.iter().map(|v| v * 4.0).collect();
-    for (amsgrad, cautious) in [(false, false), (true, false), (false, true), (true, true)] {
-        let what = format!("adamw by hand, amsgrad {amsgrad} cautious {cautious}");
+    for (amsgrad, cautious, decoupled) in [(false, false, true)].into_iter().chain(VARIANTS) {
+        let what =
+            format!("adamw by hand, amsgrad {amsgrad} cautious {cautious} decoupled {decoupled}");
         let c = adamw_config(beta_1, beta_2, epsilon, weight_decay)
             .with_amsgrad(amsgrad)
-            .with_cautious_weight_decay(cautious);
+            .with_cautious_weight_decay(cautious)
+            .with_decoupled_weight_decay(decoupled);
+        let l2 = if decoupled { 0.0 } else { weight_decay as f64 };
+        let wd = if decoupled { weight_decay as f64 } else { 0.0 };
         let (b1, b2, t) = (beta_1 as f64, beta_2 as f64, 3);
         let (mut kept, mut larger) = (0, 0);
         let hand: Vec<f32> = (0..n)
             .map(|i| {
-                let gi = g[i] as f64;
+                let p = p0[i] as f64;
+                let gi = g[i] as f64 + l2 * p;
                 let m = b1 * m0[i] as f64 + (1.0 - b1) * gi;
                 let v = b2 * v0[i] as f64 + (1.0 - b2) * gi * gi;
                 let denom = if amsgrad { v.max(max0[i] as f64) } else { v };
                 larger += usize::from(amsgrad && denom > v);
-                let p = p0[i] as f64;
                 let opposed = p * m < 0.0;
                 kept += usize::from(cautious && opposed);
                 let decayed = if cautious && opposed {
                     p
                 } else {
-                    p * (1.0 - lr as f64 * weight_decay as f64)
+                    p * (1.0 - lr as f64 * wd)
                 };
                 let update = (m / (1.0 - b1.powi(t)))
                     / ((denom / (1.0 - b2.powi(t))).sqrt() + epsilon as f64);
@@ -253,8 +268,8 @@ fn check_adamw_variants_by_hand<B: AmpKernels>(device: &B::Device) {
             if amsgrad {
                 let want: Vec<f32> = (0..n)
                     .map(|i| {
-                        let v = beta_2 as f64 * v0[i] as f64
-                            + (1.0 - beta_2 as f64) * (g[i] as f64).powi(2);
+                        let gi = g[i] as f64 + l2 * p0[i] as f64;
+                        let v = beta_2 as f64 * v0[i] as f64 + (1.0 - beta_2 as f64) * gi * gi;
                         v.max(max0[i] as f64) as f32
                     })
                     .collect();
@@ -443,9 +458,9 @@ fn check_adamw_per_parameter_counts<B: AmpKernels>(device: &B::Device, dtype: Fl
 on_both! {
     adamw_f32: check_adamw(FloatDType::F32);
     adamw_f16: check_adamw(FloatDType::F16);
-    adamw_amsgrad_and_cautious_f32: check_adamw_variants(FloatDType::F32);
-    adamw_amsgrad_and_cautious_f16: check_adamw_variants(FloatDType::F16);
-    adamw_amsgrad_and_cautious_by_hand: check_adamw_variants_by_hand();
+    adamw_variants_f32: check_adamw_variants(FloatDType::F32);
+    adamw_variants_f16: check_adamw_variants(FloatDType::F16);
+    adamw_variants_by_hand: check_adamw_variants_by_hand();
     adamw_skip_with_held_clones: check_adamw_skip_with_clones();
     adamw_per_parameter_counts_f32: check_adamw_per_parameter_counts(FloatDType::F32);
     adamw_per_parameter_counts_f16: check_adamw_per_parameter_counts(FloatDType::F16);

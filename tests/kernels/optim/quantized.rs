@@ -77,16 +77,16 @@ fn assert_codes_close(what: &str, kernel: Vec<i32>, fallback: Vec<i32>) {
 }
 
 /// Steps of `plan` (true: skipped) on a `[50, 100]` parameter of `dtype` (20 blocks of 256,
-/// the last one partial), kernel against fallback from the kernel's state each time; with
-/// cautious weight decay, which must also change the kernel's step from the plain decay's
-/// (by the decay, `lr * weight_decay` relative, 100 times the tolerance) on some elements
-/// and not on others.
+/// the last one partial), kernel against fallback from the kernel's state each time. Cautious
+/// weight decay must also change the kernel's step from the plain decay's (by the decay,
+/// `lr * weight_decay` relative, 100 times the tolerance) on some elements and not on others;
+/// Adam's L2 penalty on most.
 fn check_adamw8bit<B: AmpKernels>(
     device: &B::Device,
     dtype: FloatDType,
     map: QuantMap,
     rounding: WeightRounding,
-    cautious: bool,
+    decay: Decay,
 ) {
     let shape = [50usize, 100];
     let n = 5000;
@@ -98,7 +98,8 @@ fn check_adamw8bit<B: AmpKernels>(
             min_numel: 0,
         })
         .with_weight_rounding(rounding)
-        .with_cautious_weight_decay(cautious)
+        .with_cautious_weight_decay(decay == Decay::Cautious)
+        .with_decoupled_weight_decay(decay != Decay::L2)
         .with_seed(42);
     let mut rng = Rng::new(8);
     let mut p = tensor::<B>(rng.vec(n, 1.0), &shape, dtype, device);
@@ -106,9 +107,8 @@ fn check_adamw8bit<B: AmpKernels>(
     let plan = [false, false, true, false, false, false];
     let mut applied = 0.0;
     for (i, &skip) in plan.iter().enumerate() {
-        let what = format!(
-            "adamw8bit {dtype:?} {map:?} {rounding:?} cautious {cautious} step {i} skip {skip}"
-        );
+        let what =
+            format!("adamw8bit {dtype:?} {map:?} {rounding:?} {decay:?} step {i} skip {skip}");
         // Blocks of very different magnitudes: the block maxima, not one scale, must carry it.
         let mut g = rng.vec(n, 1.0);
         for (j, v) in g.iter_mut().enumerate() {
@@ -123,14 +123,21 @@ fn check_adamw8bit<B: AmpKernels>(
         let before = state_bytes::<B>(&p, &s);
         let (pk, sk) = B::adamw8bit_step(p.clone(), grad(), s.clone(), sc(), 1e-2, &c);
         let (pf, sf) = adamw8bit_step::<B>(p.clone(), grad(), s.clone(), sc(), 1e-2, &c);
-        if cautious && !skip {
-            let plain = c.clone().with_cautious_weight_decay(false);
+        if decay != Decay::Decoupled && !skip {
+            let plain = c
+                .clone()
+                .with_cautious_weight_decay(false)
+                .with_decoupled_weight_decay(true);
             let (pp, _) = B::adamw8bit_step(p.clone(), grad(), s.clone(), sc(), 1e-2, &plain);
             let (k, plain) = (values::<B>(pk.clone()), values::<B>(pp));
-            let kept = k.iter().zip(&plain).filter(|(a, b)| a != b).count();
+            let changed = k.iter().zip(&plain).filter(|(a, b)| a != b).count();
+            let expected = match decay {
+                Decay::Cautious => n / 10..9 * n / 10,
+                _ => n / 2..n + 1,
+            };
             assert!(
-                (n / 10..9 * n / 10).contains(&kept),
-                "{what}: cautious decay changed {kept} of {n} elements"
+                expected.contains(&changed),
+                "{what}: the decay changed {changed} of {n} elements"
             );
         }
         if skip {
@@ -203,6 +210,17 @@ fn check_adamw8bit<B: AmpKernels>(
     }
 }
 
+/// How the weight decay is applied.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Decay {
+    /// AdamW's.
+    Decoupled,
+    /// AdamW's, only where value and update agree in sign.
+    Cautious,
+    /// Adam's L2 penalty on the gradient.
+    L2,
+}
+
 /// The f32-moment AdamW with stochastic rounding: kernel against fallback, from the same
 /// state each step (an f16 parameter: WGSL has no bf16).
 fn check_adamw_stochastic<B: AmpKernels>(device: &B::Device) {
@@ -232,9 +250,10 @@ fn check_adamw_stochastic<B: AmpKernels>(device: &B::Device) {
 }
 
 on_both! {
-    adamw8bit_f32_dynamic: check_adamw8bit(FloatDType::F32, QuantMap::Dynamic, WeightRounding::Nearest, false);
-    adamw8bit_f32_linear: check_adamw8bit(FloatDType::F32, QuantMap::Linear, WeightRounding::Nearest, false);
-    adamw8bit_f16_stochastic: check_adamw8bit(FloatDType::F16, QuantMap::Dynamic, WeightRounding::Stochastic, false);
-    adamw8bit_f32_cautious: check_adamw8bit(FloatDType::F32, QuantMap::Dynamic, WeightRounding::Nearest, true);
+    adamw8bit_f32_dynamic: check_adamw8bit(FloatDType::F32, QuantMap::Dynamic, WeightRounding::Nearest, Decay::Decoupled);
+    adamw8bit_f32_linear: check_adamw8bit(FloatDType::F32, QuantMap::Linear, WeightRounding::Nearest, Decay::Decoupled);
+    adamw8bit_f16_stochastic: check_adamw8bit(FloatDType::F16, QuantMap::Dynamic, WeightRounding::Stochastic, Decay::Decoupled);
+    adamw8bit_f32_cautious: check_adamw8bit(FloatDType::F32, QuantMap::Dynamic, WeightRounding::Nearest, Decay::Cautious);
+    adamw8bit_f32_l2: check_adamw8bit(FloatDType::F32, QuantMap::Dynamic, WeightRounding::Nearest, Decay::L2);
     adamw_f16_stochastic: check_adamw_stochastic();
 }
