@@ -151,7 +151,7 @@ fn train(variant: Variant, config: &TinyLmConfig, steps: usize, batch: usize, lr
 /// One optimizer step on one parameter of `n` values through the kernels on wgpu (lavapipe):
 /// f32 AdamW, with AMSGrad, with cautious weight decay, 8-bit AdamW, and f32 and 8-bit with an
 /// f16 parameter rounded stochastically. Side by side, alternating, median of `rounds`, after
-/// a warm-up (kernel compilation).
+/// a warm-up (kernel compilation), each stepping its own state in place.
 fn kernel_times(n: usize, rounds: usize) -> Option<Vec<(&'static str, f64)>> {
     use burn::backend::Wgpu;
     use burn_amp::optim::OptimKernels;
@@ -222,27 +222,44 @@ fn kernel_times(n: usize, rounds: usize) -> Option<Vec<(&'static str, f64)>> {
             &stochastic,
         ),
     ];
+    // Each case's parameter and state live across the rounds and are stepped in place, as
+    // in training (a fresh state each round timed its allocation too).
+    enum State<S32, S8> {
+        F32(S32),
+        Int8(S8),
+    }
+    let mut live: Vec<_> = cases
+        .iter()
+        .map(|(_, dtype, int8, c)| {
+            let state = match int8 {
+                true => State::Int8(int8_state()),
+                false => State::F32(f32_state(c.amsgrad)),
+            };
+            Some((param(*dtype), state))
+        })
+        .collect();
     let mut times = vec![Vec::new(); cases.len()];
     for round in 0..rounds + 2 {
-        for (i, (_, dtype, int8, c)) in cases.iter().enumerate() {
-            let (pt, g, sc) = (param(*dtype), grad.clone(), scaling());
-            let (s32, s8) = if *int8 {
-                (None, Some(int8_state()))
-            } else {
-                (Some(f32_state(c.amsgrad)), None)
-            };
+        for (i, (.., c)) in cases.iter().enumerate() {
+            let (pt, state) = live[i].take().expect("the case's state");
+            let (g, sc) = (grad.clone(), scaling());
             W::sync(&device).unwrap();
             let start = Instant::now();
-            let out = match (s32, s8) {
-                (Some(s), _) => W::adamw_step(pt, g, s, sc, 1e-3, c).0,
-                (_, Some(s)) => W::adamw8bit_step(pt, g, s, sc, 1e-3, c).0,
-                _ => unreachable!(),
+            let next = match state {
+                State::F32(s) => {
+                    let (pt, s) = W::adamw_step(pt, g, s, sc, 1e-3, c);
+                    (pt, State::F32(s))
+                }
+                State::Int8(s) => {
+                    let (pt, s) = W::adamw8bit_step(pt, g, s, sc, 1e-3, c);
+                    (pt, State::Int8(s))
+                }
             };
             W::sync(&device).unwrap();
             if round >= 2 {
                 times[i].push(start.elapsed());
             }
-            drop(out);
+            live[i] = Some(next);
         }
     }
     Some(
