@@ -1,4 +1,4 @@
-//! AdamW as one [`OptimKernels::adamw_step`] per parameter.
+//! AdamW (and Adam, its L2-penalty form) as one [`OptimKernels::adamw_step`] per parameter.
 
 use std::borrow::Cow;
 

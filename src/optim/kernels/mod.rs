@@ -62,7 +62,8 @@ pub trait OptimKernels: Backend {
     /// One AdamW step on one parameter, skipped bit for bit (state and count included) when
     /// `found_inf[0] != 0`. The gradient is multiplied by `inv_scale[0]` inside; the math is
     /// f32 and only the result is rounded to the parameter's dtype. AMSGrad when the state
-    /// holds `max_exp_avg_sq`; cautious weight decay as the config says.
+    /// holds `max_exp_avg_sq`; cautious weight decay, or Adam's L2 penalty in place of the
+    /// decoupled decay, as the config says.
     fn adamw_step(
         param: FloatTensor<Self>,
         grad: FloatTensor<Self>,
