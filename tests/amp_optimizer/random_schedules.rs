@@ -3,8 +3,9 @@
 //! written out here on the host: the mean of a window's micro-batches (a parameter missing
 //! from some counts as zero there, one missing from all is not stepped), the window skipped
 //! whole when any micro-batch overflowed, the global-norm clip of the unscaled mean, AdamW
-//! (with AMSGrad, cautious weight decay, or as Adam with an L2 penalty, each drawn), and
-//! PyTorch's scale update with DeepSpeed's hysteresis. The runs stop and resume from
+//! (with AMSGrad, cautious weight decay, or as Adam with an L2 penalty, each drawn) or SGD
+//! (momentum, dampening, Nesterov, L2 weight decay, drawn), and PyTorch's scale update with
+//! DeepSpeed's hysteresis. The runs stop and resume from
 //! saved records at random micro-steps, mid-window included.
 //!
 //! The loss is `Σ w ⊙ tw + Σ b ⊙ tb` with fixed targets, so a micro-batch's gradients are its
@@ -17,11 +18,15 @@
 use burn::module::{Module, Param};
 use burn::optim::adaptor::OptimizerAdaptor;
 use burn::optim::decay::WeightDecayConfig;
-use burn::optim::{Adam, AdamConfig, AdamW, AdamWConfig, GradientsParams, Optimizer};
+use burn::optim::momentum::MomentumConfig;
+use burn::optim::{
+    Adam, AdamConfig, AdamW, AdamWConfig, GradientsParams, Optimizer, Sgd, SgdConfig,
+};
 use burn::prelude::*;
 use burn_amp::accumulate::GradientAccumulationConfig;
-use burn_amp::optim::FusedAdamWConfig;
+use burn_amp::optim::{FusedAdamWConfig, FusedSgdConfig};
 use burn_amp::scaler::GradScalerConfig;
+use burn_amp::scaler::ScaledStep;
 use burn_amp::{AmpOptimizer, GradientAccumulation, Precision, autocast};
 
 use super::common::Rng;
@@ -88,6 +93,8 @@ struct Schedule {
     cautious: bool,
     /// Adam: the weight decay an L2 penalty on the gradient (never cautious).
     adam: bool,
+    /// SGD in place of Adam(W).
+    sgd: Option<SgdDraw>,
     w: Vec<f32>,
     b: Vec<f32>,
     micros: Vec<Micro>,
@@ -141,6 +148,7 @@ impl Schedule {
             amsgrad: rng.below(2) == 0,
             cautious: rng.below(2) == 0,
             adam: rng.below(3) == 0,
+            sgd: (rng.below(3) == 0).then(|| SgdDraw::draw(&mut rng)),
         };
         s.cautious &= !s.adam;
         s
@@ -158,7 +166,56 @@ impl Schedule {
     }
 }
 
-/// AdamW's state of one parameter.
+/// SGD's options (PyTorch's and Burn's semantics).
+#[derive(Debug, Clone, Copy)]
+struct SgdDraw {
+    momentum: f32,
+    dampening: f32,
+    nesterov: bool,
+    weight_decay: f32,
+}
+
+impl SgdDraw {
+    fn draw(rng: &mut Rng) -> Self {
+        let momentum = [0.0, 0.9][rng.below(2)];
+        let nesterov = momentum > 0.0 && rng.below(2) == 0;
+        // PyTorch's Nesterov needs no dampening (FusedSgd refuses it).
+        let dampening = if nesterov {
+            0.0
+        } else {
+            [0.0, 0.5][rng.below(2)]
+        };
+        let weight_decay = [0.0, WEIGHT_DECAY][rng.below(2)];
+        Self {
+            momentum,
+            dampening,
+            nesterov,
+            weight_decay,
+        }
+    }
+
+    fn fused(self) -> FusedSgdConfig {
+        FusedSgdConfig::new()
+            .with_momentum(self.momentum)
+            .with_dampening(self.dampening)
+            .with_nesterov(self.nesterov)
+            .with_weight_decay(self.weight_decay)
+    }
+
+    fn burn(self) -> SgdConfig {
+        let momentum = (self.momentum > 0.0).then_some(MomentumConfig {
+            momentum: self.momentum as f64,
+            dampening: self.dampening as f64,
+            nesterov: self.nesterov,
+        });
+        let decay = (self.weight_decay > 0.0).then(|| WeightDecayConfig::new(self.weight_decay));
+        SgdConfig::new()
+            .with_momentum(momentum)
+            .with_weight_decay(decay)
+    }
+}
+
+/// AdamW's state of one parameter (SGD's velocity in `m`).
 #[derive(Debug, Clone, Default)]
 struct Moments {
     m: Vec<f32>,
@@ -262,7 +319,10 @@ impl Model {
         }
         self.bias_unstepped += u64::from(grads[1].is_none());
         for ((param, moments), grad) in self.params.iter_mut().zip(&mut self.moments).zip(grads) {
-            if let Some(grad) = grad {
+            let Some(grad) = grad else { continue };
+            if let Some(sgd) = s.sgd {
+                sgd_step(sgd, param, moments, &grad);
+            } else {
                 let (mattered, kept) = adamw(s, param, moments, &grad);
                 self.amsgrad_mattered += mattered;
                 self.cautious_kept += kept;
@@ -275,6 +335,27 @@ impl Model {
             self.hysteresis_left = s.hysteresis;
         }
     }
+}
+
+/// One SGD step: the first applied one sets the velocity to the gradient.
+fn sgd_step(sgd: SgdDraw, param: &mut [f32], state: &mut Moments, grad: &[f32]) {
+    for i in 0..param.len() {
+        let g = grad[i] + sgd.weight_decay * param[i];
+        let mut d = g;
+        if sgd.momentum > 0.0 {
+            if state.steps == 0 {
+                state.m.push(g);
+            } else {
+                state.m[i] = sgd.momentum * state.m[i] + (1.0 - sgd.dampening) * g;
+            }
+            d = match sgd.nesterov {
+                true => g + sgd.momentum * state.m[i],
+                false => state.m[i],
+            };
+        }
+        param[i] -= LR * d;
+    }
+    state.steps += 1;
 }
 
 /// One AdamW step; returns how many elements AMSGrad's maximum and cautious weight decay
@@ -341,8 +422,8 @@ where
         let what = || {
             format!(
                 "schedule {} (fused {}, direct {}, N {}, clip {:?}, growth interval {}, \
-                 hysteresis {}, amsgrad {}, cautious {}, adam {}), after micro-step {k} \
-                 {micro:?}",
+                 hysteresis {}, amsgrad {}, cautious {}, adam {}, sgd {:?}), after micro-step \
+                 {k} {micro:?}",
                 s.seed,
                 s.fused,
                 s.direct,
@@ -352,7 +433,8 @@ where
                 s.hysteresis,
                 s.amsgrad,
                 s.cautious,
-                s.adam
+                s.adam,
+                s.sgd
             )
         };
         for (got, want) in pair.values().iter().zip(&model.params) {
@@ -396,10 +478,21 @@ fn accumulated<O>(s: &Schedule, inner: O) -> GradientAccumulation<O, B> {
     s.accumulation().init(inner).expect("a valid config")
 }
 
+/// [`run`] with the optimizer straight in `AmpOptimizer`, or in the accumulation wrapper.
+fn run_direct_or_accumulated<O>(s: &Schedule, inner: impl Fn() -> O) -> Model
+where
+    O: Optimizer<Pair<B>, B> + ScaledStep<Pair<B>, B>,
+{
+    match s.direct {
+        true => run(s, inner),
+        false => run(s, || accumulated(s, inner())),
+    }
+}
+
 #[test]
 fn random_schedules_follow_the_semantics() {
     let _serial = serial();
-    let mut exercised = [0u64; 9];
+    let mut exercised = [0u64; 12];
     for seed in 0..96 {
         let s = Schedule::draw(seed);
         let resumed_mid_window = s
@@ -431,13 +524,18 @@ fn random_schedules_follow_the_semantics() {
         let fused = || fused.init::<B, Pair<B>>().expect("a valid config");
         let burn_adamw = || -> OptimizerAdaptor<AdamW, Pair<B>, B> { burn_adamw.init() };
         let burn_adam = || -> OptimizerAdaptor<Adam, Pair<B>, B> { burn_adam.init() };
-        let model = match (s.fused, s.adam, s.direct) {
-            (true, _, true) => run(&s, fused),
-            (true, _, false) => run(&s, || accumulated(&s, fused())),
-            (false, false, true) => run(&s, burn_adamw),
-            (false, false, false) => run(&s, || accumulated(&s, burn_adamw())),
-            (false, true, true) => run(&s, burn_adam),
-            (false, true, false) => run(&s, || accumulated(&s, burn_adam())),
+        let model = match (s.sgd, s.fused, s.adam) {
+            (Some(sgd), true, _) => run_direct_or_accumulated(&s, || {
+                sgd.fused().init::<B, Pair<B>>().expect("a valid config")
+            }),
+            (Some(sgd), false, _) => {
+                run_direct_or_accumulated(&s, || -> OptimizerAdaptor<Sgd<_>, Pair<B>, B> {
+                    sgd.burn().init()
+                })
+            }
+            (None, true, _) => run_direct_or_accumulated(&s, fused),
+            (None, false, false) => run_direct_or_accumulated(&s, burn_adamw),
+            (None, false, true) => run_direct_or_accumulated(&s, burn_adam),
         };
         let counts = [
             model.skipped,
@@ -448,7 +546,13 @@ fn random_schedules_follow_the_semantics() {
             u64::from(s.direct),
             model.amsgrad_mattered,
             model.cautious_kept,
-            u64::from(s.adam),
+            u64::from(s.adam && s.sgd.is_none()),
+            u64::from(s.sgd.is_some_and(|g| g.momentum == 0.0)),
+            u64::from(s.sgd.is_some_and(|g| g.nesterov)),
+            u64::from(
+                s.sgd
+                    .is_some_and(|g| g.dampening > 0.0 && g.weight_decay > 0.0),
+            ),
         ];
         for (total, n) in exercised.iter_mut().zip(counts) {
             *total += n;
@@ -457,13 +561,15 @@ fn random_schedules_follow_the_semantics() {
     // The schedules exercised every branch: skipped windows, overflows absorbed by the
     // hysteresis, clipped windows, a bias without gradient for a whole window, runs resumed
     // mid-window, optimizers without the accumulation wrapper, AMSGrad's maximum and cautious
-    // weight decay each changing some elements' steps, and Adam's L2 penalty.
+    // weight decay each changing some elements' steps, Adam's L2 penalty, and SGD without
+    // momentum, with Nesterov's, and dampened with weight decay.
     assert!(
         exercised.iter().all(|&n| n > 0),
         "not every branch was exercised: {exercised:?}"
     );
     eprintln!(
         "skipped, absorbed, clipped, bias unstepped, resumed mid-window, direct, \
-         AMSGrad's maximum divided, cautiously undecayed, Adam: {exercised:?}"
+         AMSGrad's maximum divided, cautiously undecayed, Adam, SGD plain, SGD Nesterov, SGD \
+         dampened with weight decay: {exercised:?}"
     );
 }
