@@ -17,7 +17,7 @@ use super::quantized::{QuantMap, QuantizedTensor};
 use super::rounding::WeightRounding;
 use super::{
     OptimError, ScaledAdaptor, ScaledSimpleOptimizer, adaptor, as_f32, bytes, check_range,
-    simple_optimizer,
+    for_rank, simple_optimizer,
 };
 use crate::grads::{primitive, tensor};
 use crate::record::ExactTensor;
@@ -88,6 +88,11 @@ pub struct FusedAdamWConfig {
     /// [`adam`](Self::adam) sets it false.
     #[config(default = true)]
     pub decoupled_weight_decay: bool,
+    /// Parameters of a lower rank get no weight decay: 0 (the default, PyTorch's) decays
+    /// every parameter; 2 decays weight matrices and kernels only, not biases and norm scales
+    /// (nanoGPT's rule; Hugging Face's Trainer leaves biases and LayerNorm weights out).
+    #[config(default = 0)]
+    pub weight_decay_min_rank: usize,
     /// Cautious weight decay ([Chen et al., 2025](https://arxiv.org/abs/2510.12402), Burn's
     /// `cautious_weight_decay`): decay only the elements whose update moves them the way the
     /// decay would (update and parameter of one sign; a zero counts as either, as the paper's
@@ -336,6 +341,9 @@ impl<B: OptimKernels> ScaledSimpleOptimizer<B> for FusedAdamW {
         };
         let grad = primitive(grad);
         let lr = lr as f32;
+        let config = for_rank(&self.config, D, self.config.weight_decay_min_rank, |c| {
+            c.with_weight_decay(0.0)
+        });
         let (param, state) = match moments {
             AdamWMomentState::F32(m) => {
                 // AMSGrad's maximum starts at zero (a state saved without it, or a parameter's
@@ -351,7 +359,7 @@ impl<B: OptimKernels> ScaledSimpleOptimizer<B> for FusedAdamW {
                     max_exp_avg_sq,
                     step: primitive(step),
                 };
-                let (param, m) = B::adamw_step(param, grad, moments, scaling, lr, &self.config);
+                let (param, m) = B::adamw_step(param, grad, moments, scaling, lr, &config);
                 let state = FusedAdamWState {
                     moments: AdamWMomentState::F32(F32Moments {
                         exp_avg: tensor(m.exp_avg),
@@ -373,7 +381,7 @@ impl<B: OptimKernels> ScaledSimpleOptimizer<B> for FusedAdamW {
                     block,
                     map,
                 };
-                let (param, m) = B::adamw8bit_step(param, grad, moments, scaling, lr, &self.config);
+                let (param, m) = B::adamw8bit_step(param, grad, moments, scaling, lr, &config);
                 let quantized = |codes, absmax| QuantizedTensor {
                     codes: Tensor::from_primitive(codes),
                     absmax: tensor(absmax),

@@ -153,6 +153,21 @@ pub(crate) fn unscaled<B: Backend>(device: &B::Device) -> Scaling<FloatTensor<B>
     )
 }
 
+/// The config a parameter of rank `rank` steps with: `config` itself, or a copy without weight
+/// decay (`no_decay`) when the rank is under `min_rank` (with 2: biases and norm scales).
+pub(crate) fn for_rank<C: Clone>(
+    config: &C,
+    rank: usize,
+    min_rank: usize,
+    no_decay: impl FnOnce(C) -> C,
+) -> Cow<'_, C> {
+    if rank < min_rank {
+        Cow::Owned(no_decay(config.clone()))
+    } else {
+        Cow::Borrowed(config)
+    }
+}
+
 /// Checks that `value` lies in `range`, naming the field otherwise.
 pub(crate) fn check_range(
     optimizer: &'static str,

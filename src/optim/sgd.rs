@@ -12,7 +12,7 @@ use burn::tensor::backend::AutodiffBackend;
 use super::kernels::{OptimKernels, Scaling, Velocity, fallback};
 use super::{
     OptimError, ScaledAdaptor, ScaledSimpleOptimizer, adaptor, as_f32, bytes, check_range,
-    simple_optimizer,
+    for_rank, simple_optimizer,
 };
 use crate::grads::{primitive, tensor};
 use crate::record::ExactTensor;
@@ -31,6 +31,11 @@ pub struct FusedSgdConfig {
     /// L2 weight decay, added to the gradient, ≥ 0.
     #[config(default = 0.0)]
     pub weight_decay: f32,
+    /// Parameters of a lower rank get no weight decay: 0 (the default, PyTorch's) decays
+    /// every parameter; 2 decays weight matrices and kernels only, not biases and norm scales
+    /// (nanoGPT's rule; Hugging Face's Trainer leaves biases and LayerNorm weights out).
+    #[config(default = 0)]
+    pub weight_decay_min_rank: usize,
     /// Nesterov momentum: needs momentum > 0 and dampening 0, as in PyTorch.
     #[config(default = false)]
     pub nesterov: bool,
@@ -143,13 +148,16 @@ impl<B: OptimKernels> ScaledSimpleOptimizer<B> for FusedSgd {
                 step: fallback::zero_count::<B>(&param),
             },
         });
+        let config = for_rank(&self.config, D, self.config.weight_decay_min_rank, |c| {
+            c.with_weight_decay(0.0)
+        });
         let (param, velocity) = B::sgd_step(
             param,
             primitive(grad),
             velocity,
             scaling,
             lr as f32,
-            &self.config,
+            &config,
         );
         let state = velocity.map(|v| FusedSgdState {
             velocity: tensor(v.velocity),

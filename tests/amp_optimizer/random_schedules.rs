@@ -4,7 +4,8 @@
 //! from some counts as zero there, one missing from all is not stepped), the window skipped
 //! whole when any micro-batch overflowed, the global-norm clip of the unscaled mean, AdamW
 //! (with AMSGrad, cautious weight decay, or as Adam with an L2 penalty, each drawn) or SGD
-//! (momentum, dampening, Nesterov, L2 weight decay, drawn), and PyTorch's scale update with
+//! (momentum, dampening, Nesterov, L2 weight decay, drawn), the fused ones with or without
+//! weight decay of the bias (`weight_decay_min_rank`), and PyTorch's scale update with
 //! DeepSpeed's hysteresis. The runs stop and resume from
 //! saved records at random micro-steps, mid-window included.
 //!
@@ -95,6 +96,8 @@ struct Schedule {
     adam: bool,
     /// SGD in place of Adam(W).
     sgd: Option<SgdDraw>,
+    /// No weight decay for the bias (`weight_decay_min_rank` 2; fused optimizers only).
+    matrices_only: bool,
     w: Vec<f32>,
     b: Vec<f32>,
     micros: Vec<Micro>,
@@ -149,7 +152,9 @@ impl Schedule {
             cautious: rng.below(2) == 0,
             adam: rng.below(3) == 0,
             sgd: (rng.below(3) == 0).then(|| SgdDraw::draw(&mut rng)),
+            matrices_only: rng.below(3) == 0,
         };
+        s.matrices_only &= s.fused;
         s.cautious &= !s.adam;
         s
     }
@@ -194,8 +199,9 @@ impl SgdDraw {
         }
     }
 
-    fn fused(self) -> FusedSgdConfig {
+    fn fused(self, min_rank: usize) -> FusedSgdConfig {
         FusedSgdConfig::new()
+            .with_weight_decay_min_rank(min_rank)
             .with_momentum(self.momentum)
             .with_dampening(self.dampening)
             .with_nesterov(self.nesterov)
@@ -246,6 +252,8 @@ struct Model {
     /// decay left undecayed.
     amsgrad_mattered: u64,
     cautious_kept: u64,
+    /// Steps of the bias without weight decay (`weight_decay_min_rank` 2).
+    bias_undecayed: u64,
 }
 
 impl Model {
@@ -264,6 +272,7 @@ impl Model {
             bias_unstepped: 0,
             amsgrad_mattered: 0,
             cautious_kept: 0,
+            bias_undecayed: 0,
         }
     }
 
@@ -318,12 +327,26 @@ impl Model {
             }
         }
         self.bias_unstepped += u64::from(grads[1].is_none());
-        for ((param, moments), grad) in self.params.iter_mut().zip(&mut self.moments).zip(grads) {
+        let params = self.params.iter_mut().zip(&mut self.moments).zip(grads);
+        for (index, ((param, moments), grad)) in params.enumerate() {
             let Some(grad) = grad else { continue };
+            // Parameter 1 is the bias, of rank 1.
+            let decays = !(s.matrices_only && index == 1);
+            self.bias_undecayed += u64::from(!decays);
             if let Some(sgd) = s.sgd {
-                sgd_step(sgd, param, moments, &grad);
+                let weight_decay = if decays { sgd.weight_decay } else { 0.0 };
+                sgd_step(
+                    SgdDraw {
+                        weight_decay,
+                        ..sgd
+                    },
+                    param,
+                    moments,
+                    &grad,
+                );
             } else {
-                let (mattered, kept) = adamw(s, param, moments, &grad);
+                let weight_decay = if decays { WEIGHT_DECAY } else { 0.0 };
+                let (mattered, kept) = adamw(s, weight_decay, param, moments, &grad);
                 self.amsgrad_mattered += mattered;
                 self.cautious_kept += kept;
             }
@@ -360,7 +383,13 @@ fn sgd_step(sgd: SgdDraw, param: &mut [f32], state: &mut Moments, grad: &[f32]) 
 
 /// One AdamW step; returns how many elements AMSGrad's maximum and cautious weight decay
 /// changed.
-fn adamw(s: &Schedule, param: &mut [f32], state: &mut Moments, grad: &[f32]) -> (u64, u64) {
+fn adamw(
+    s: &Schedule,
+    weight_decay: f32,
+    param: &mut [f32],
+    state: &mut Moments,
+    grad: &[f32],
+) -> (u64, u64) {
     if state.m.is_empty() {
         state.m = vec![0.0; param.len()];
         state.v = vec![0.0; param.len()];
@@ -373,7 +402,7 @@ fn adamw(s: &Schedule, param: &mut [f32], state: &mut Moments, grad: &[f32]) -> 
     for i in 0..param.len() {
         // Adam: the penalty joins the gradient; AdamW: the value decays below.
         let g = if s.adam {
-            grad[i] + WEIGHT_DECAY * param[i]
+            grad[i] + weight_decay * param[i]
         } else {
             grad[i]
         };
@@ -390,7 +419,7 @@ fn adamw(s: &Schedule, param: &mut [f32], state: &mut Moments, grad: &[f32]) -> 
         let opposed = param[i] * state.m[i] < 0.0;
         kept += u64::from(s.cautious && opposed);
         if !(s.cautious && opposed || s.adam) {
-            param[i] *= 1.0 - LR * WEIGHT_DECAY;
+            param[i] *= 1.0 - LR * weight_decay;
         }
         param[i] -= LR * update;
     }
@@ -422,8 +451,8 @@ where
         let what = || {
             format!(
                 "schedule {} (fused {}, direct {}, N {}, clip {:?}, growth interval {}, \
-                 hysteresis {}, amsgrad {}, cautious {}, adam {}, sgd {:?}), after micro-step \
-                 {k} {micro:?}",
+                 hysteresis {}, amsgrad {}, cautious {}, adam {}, sgd {:?}, matrices only {}), \
+                 after micro-step {k} {micro:?}",
                 s.seed,
                 s.fused,
                 s.direct,
@@ -434,7 +463,8 @@ where
                 s.amsgrad,
                 s.cautious,
                 s.adam,
-                s.sgd
+                s.sgd,
+                s.matrices_only
             )
         };
         for (got, want) in pair.values().iter().zip(&model.params) {
@@ -492,7 +522,7 @@ where
 #[test]
 fn random_schedules_follow_the_semantics() {
     let _serial = serial();
-    let mut exercised = [0u64; 12];
+    let mut exercised = [0u64; 13];
     for seed in 0..96 {
         let s = Schedule::draw(seed);
         let resumed_mid_window = s
@@ -507,7 +537,8 @@ fn random_schedules_follow_the_semantics() {
             .with_weight_decay(WEIGHT_DECAY)
             .with_amsgrad(s.amsgrad)
             .with_cautious_weight_decay(s.cautious)
-            .with_decoupled_weight_decay(!s.adam);
+            .with_decoupled_weight_decay(!s.adam)
+            .with_weight_decay_min_rank(if s.matrices_only { 2 } else { 0 });
         let burn_adam = AdamConfig::new()
             .with_beta_1(BETA_1)
             .with_beta_2(BETA_2)
@@ -526,7 +557,10 @@ fn random_schedules_follow_the_semantics() {
         let burn_adam = || -> OptimizerAdaptor<Adam, Pair<B>, B> { burn_adam.init() };
         let model = match (s.sgd, s.fused, s.adam) {
             (Some(sgd), true, _) => run_direct_or_accumulated(&s, || {
-                sgd.fused().init::<B, Pair<B>>().expect("a valid config")
+                let min_rank = if s.matrices_only { 2 } else { 0 };
+                sgd.fused(min_rank)
+                    .init::<B, Pair<B>>()
+                    .expect("a valid config")
             }),
             (Some(sgd), false, _) => {
                 run_direct_or_accumulated(&s, || -> OptimizerAdaptor<Sgd<_>, Pair<B>, B> {
@@ -553,6 +587,7 @@ fn random_schedules_follow_the_semantics() {
                 s.sgd
                     .is_some_and(|g| g.dampening > 0.0 && g.weight_decay > 0.0),
             ),
+            model.bias_undecayed,
         ];
         for (total, n) in exercised.iter_mut().zip(counts) {
             *total += n;
@@ -562,7 +597,7 @@ fn random_schedules_follow_the_semantics() {
     // hysteresis, clipped windows, a bias without gradient for a whole window, runs resumed
     // mid-window, optimizers without the accumulation wrapper, AMSGrad's maximum and cautious
     // weight decay each changing some elements' steps, Adam's L2 penalty, and SGD without
-    // momentum, with Nesterov's, and dampened with weight decay.
+    // momentum, with Nesterov's, and dampened with weight decay; a bias left undecayed.
     assert!(
         exercised.iter().all(|&n| n > 0),
         "not every branch was exercised: {exercised:?}"
@@ -570,6 +605,6 @@ fn random_schedules_follow_the_semantics() {
     eprintln!(
         "skipped, absorbed, clipped, bias unstepped, resumed mid-window, direct, \
          AMSGrad's maximum divided, cautiously undecayed, Adam, SGD plain, SGD Nesterov, SGD \
-         dampened with weight decay: {exercised:?}"
+         dampened with weight decay, bias undecayed: {exercised:?}"
     );
 }
