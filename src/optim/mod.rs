@@ -18,6 +18,7 @@
 
 mod adamw;
 mod adaptor;
+pub mod from_burn;
 pub mod kernels;
 mod memory_saving;
 pub mod quantized;
@@ -37,6 +38,7 @@ pub use adamw::{
     MomentStorage,
 };
 pub use adaptor::ScaledAdaptor;
+pub use from_burn::fused_adamw_record;
 pub use kernels::{OptimKernels, QuantizedMoments, Scaling};
 pub use memory_saving::MemorySaving;
 pub use quantized::{QuantMap, QuantizedTensor};

@@ -9,6 +9,7 @@
 
 #[path = "../common/mod.rs"]
 mod common;
+mod from_burn;
 mod random_schedules;
 mod shared_scaler;
 
