@@ -1,51 +1,89 @@
-//! Burn's `AdamW` and `Adam` records as [`FusedAdamW`]'s: a run saved with Burn's optimizer
-//! goes on with the fused one, moments, AMSGrad's maximum and step counts included.
+//! Burn's `AdamW`, `Adam` and `Sgd` records as the fused optimizers': a run saved with Burn's
+//! optimizer goes on with the fused one, moments, AMSGrad's maximum, velocities and step
+//! counts included.
 //!
-//! Both records are Burn's `OptimizerAdaptor` record (a state per parameter, by rank), and
-//! both optimizers keep f32 moments of the parameter's shape: only the state's layout
-//! differs. Set the fused config to the one the run used (Burn's `AdamWConfig` defaults to
-//! epsilon 1e-5 and weight decay 1e-4, [`FusedAdamWConfig`](super::FusedAdamWConfig) to
-//! PyTorch's 1e-8 and 1e-2; for `Adam`, [`FusedAdamWConfig::adam`](super::FusedAdamWConfig::adam)
-//! with its L2 penalty).
+//! The records are Burn's `OptimizerAdaptor` record on both sides (a state per parameter, by
+//! rank), and the states hold the same tensors: only their layout differs. Set the fused
+//! config to the one the run used (Burn's `AdamWConfig` defaults to epsilon 1e-5 and weight
+//! decay 1e-4, [`FusedAdamWConfig`](super::FusedAdamWConfig) to PyTorch's 1e-8 and 1e-2; for
+//! `Adam`, [`FusedAdamWConfig::adam`](super::FusedAdamWConfig::adam) with its L2 penalty;
+//! Burn's `MomentumConfig` defaults to a dampening of 0.1, [`FusedSgdConfig`](super::FusedSgdConfig)
+//! to 0).
 
 use burn::module::ParamId;
 use burn::optim::record::{AdaptorRecord, AdaptorRecordV1};
-use burn::optim::{Adam, AdamState, AdamW, AdamWState, AdaptiveMomentumState, SimpleOptimizer};
+use burn::optim::{
+    Adam, AdamState, AdamW, AdamWState, AdaptiveMomentumState, Sgd, SgdState, SimpleOptimizer,
+};
 use burn::prelude::*;
+use burn::record::{FullPrecisionSettings, Record};
 use burn::tensor::backend::AutodiffBackend;
 use hashbrown::HashMap;
 
-use super::{AdamWMomentState, F32Moments, FusedAdamW, FusedAdamWState, OptimKernels};
+use super::{
+    AdamWMomentState, F32Moments, FusedAdamW, FusedAdamWState, FusedSgd, FusedSgdState,
+    OptimKernels,
+};
 use crate::record::ExactTensor;
 
-/// A Burn optimizer whose per-parameter state becomes [`FusedAdamW`]'s.
-pub trait IntoFusedAdamW<B: Backend>: SimpleOptimizer<B> {
-    /// One parameter's state.
-    fn fused_state<const D: usize>(state: Self::State<D>) -> FusedAdamWState<B, D>;
+/// A Burn optimizer whose per-parameter state becomes a fused optimizer's.
+pub trait IntoFused<B: Backend>: SimpleOptimizer<B> {
+    /// The fused optimizer.
+    type Fused: SimpleOptimizer<B>;
+
+    /// One parameter's state (`None`: the fused optimizer starts it as it would anyway).
+    fn fused_state<const D: usize>(
+        state: Self::State<D>,
+    ) -> Option<<Self::Fused as SimpleOptimizer<B>>::State<D>>;
 }
 
-impl<B: OptimKernels> IntoFusedAdamW<B> for AdamW {
-    fn fused_state<const D: usize>(state: AdamWState<B, D>) -> FusedAdamWState<B, D> {
-        from_momentum(state.momentum)
+impl<B: OptimKernels> IntoFused<B> for AdamW {
+    type Fused = FusedAdamW;
+
+    fn fused_state<const D: usize>(state: AdamWState<B, D>) -> Option<FusedAdamWState<B, D>> {
+        Some(from_momentum(state.momentum))
     }
 }
 
-impl<B: OptimKernels> IntoFusedAdamW<B> for Adam {
-    fn fused_state<const D: usize>(state: AdamState<B, D>) -> FusedAdamWState<B, D> {
-        from_momentum(state.momentum)
+impl<B: OptimKernels> IntoFused<B> for Adam {
+    type Fused = FusedAdamW;
+
+    fn fused_state<const D: usize>(state: AdamState<B, D>) -> Option<FusedAdamWState<B, D>> {
+        Some(from_momentum(state.momentum))
     }
 }
 
-/// The moments as they are; the step count (`time`, the steps applied) as an f32 device
-/// scalar, exact below 2^24 steps.
+/// A velocity says one step or more was applied, which is all SGD's count tells (0: the
+/// next step sets the velocity to the gradient). Without one (no momentum), nothing: a
+/// fused SGD with momentum starts it as Burn's would. Burn keeps the velocity private; its
+/// record item does not (read on the default device, moved to the parameter's at its step).
+impl<B: OptimKernels> IntoFused<B> for Sgd<B> {
+    type Fused = FusedSgd;
+
+    fn fused_state<const D: usize>(state: SgdState<B, D>) -> Option<FusedSgdState<B, D>> {
+        let item = state.momentum?.into_item::<FullPrecisionSettings>();
+        let velocity = Tensor::<B, D>::from_item(item.velocity, &Default::default());
+        Some(FusedSgdState {
+            step: ExactTensor(count(1, &velocity.device())),
+            velocity,
+        })
+    }
+}
+
+/// A step count as the fused optimizers keep it: an f32 `[1]` device scalar, exact below
+/// 2^24 steps.
+fn count<B: Backend>(steps: usize, device: &B::Device) -> Tensor<B, 1> {
+    Tensor::from_data(
+        TensorData::new(vec![steps as f32], [1]),
+        (device, burn::tensor::DType::F32),
+    )
+}
+
+/// The moments as they are; the step count is `time`, the steps applied.
 fn from_momentum<B: Backend, const D: usize>(
     m: AdaptiveMomentumState<B, D>,
 ) -> FusedAdamWState<B, D> {
-    let device = m.moment_1.device();
-    let step = Tensor::<B, 1>::from_data(
-        TensorData::new(vec![m.time as f32], [1]),
-        (&device, burn::tensor::DType::F32),
-    );
+    let step = count(m.time, &m.moment_1.device());
     FusedAdamWState {
         moments: AdamWMomentState::F32(F32Moments {
             exp_avg: m.moment_1,
@@ -56,35 +94,38 @@ fn from_momentum<B: Backend, const D: usize>(
     }
 }
 
-/// The record of Burn's `AdamW` or `Adam` (`optim.to_record()`, or loaded) as the record of
-/// [`FusedAdamW`]'s optimizer, for its `load_record`.
-pub fn fused_adamw_record<O, B>(
+/// The record of Burn's `AdamW`, `Adam` or `Sgd` (`optim.to_record()`, or loaded) as the
+/// record of the fused optimizer ([`FusedAdamW`] for the first two, [`FusedSgd`]), for its
+/// `load_record`.
+pub fn fused_record<O, B>(
     record: HashMap<ParamId, AdaptorRecord<O, B>>,
-) -> HashMap<ParamId, AdaptorRecord<FusedAdamW, B>>
+) -> HashMap<ParamId, AdaptorRecord<O::Fused, B>>
 where
     B: AutodiffBackend,
     B::InnerBackend: OptimKernels,
-    O: IntoFusedAdamW<B::InnerBackend>,
+    O: IntoFused<B::InnerBackend>,
 {
     record
         .into_iter()
-        .map(|(id, AdaptorRecord::V1(state))| (id, AdaptorRecord::V1(by_rank::<O, _>(state))))
+        .filter_map(|(id, AdaptorRecord::V1(state))| {
+            by_rank::<O, _>(state).map(|state| (id, AdaptorRecord::V1(state)))
+        })
         .collect()
 }
 
-fn by_rank<O: IntoFusedAdamW<B>, B: OptimKernels>(
+fn by_rank<O: IntoFused<B>, B: OptimKernels>(
     state: AdaptorRecordV1<O, B>,
-) -> AdaptorRecordV1<FusedAdamW, B> {
+) -> Option<AdaptorRecordV1<O::Fused, B>> {
     use AdaptorRecordV1 as R;
-    match state {
-        R::Rank0(s) => R::Rank0(O::fused_state(s)),
-        R::Rank1(s) => R::Rank1(O::fused_state(s)),
-        R::Rank2(s) => R::Rank2(O::fused_state(s)),
-        R::Rank3(s) => R::Rank3(O::fused_state(s)),
-        R::Rank4(s) => R::Rank4(O::fused_state(s)),
-        R::Rank5(s) => R::Rank5(O::fused_state(s)),
-        R::Rank6(s) => R::Rank6(O::fused_state(s)),
-        R::Rank7(s) => R::Rank7(O::fused_state(s)),
-        R::Rank8(s) => R::Rank8(O::fused_state(s)),
-    }
+    Some(match state {
+        R::Rank0(s) => R::Rank0(O::fused_state(s)?),
+        R::Rank1(s) => R::Rank1(O::fused_state(s)?),
+        R::Rank2(s) => R::Rank2(O::fused_state(s)?),
+        R::Rank3(s) => R::Rank3(O::fused_state(s)?),
+        R::Rank4(s) => R::Rank4(O::fused_state(s)?),
+        R::Rank5(s) => R::Rank5(O::fused_state(s)?),
+        R::Rank6(s) => R::Rank6(O::fused_state(s)?),
+        R::Rank7(s) => R::Rank7(O::fused_state(s)?),
+        R::Rank8(s) => R::Rank8(O::fused_state(s)?),
+    })
 }

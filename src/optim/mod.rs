@@ -38,7 +38,7 @@ pub use adamw::{
     MomentStorage,
 };
 pub use adaptor::ScaledAdaptor;
-pub use from_burn::fused_adamw_record;
+pub use from_burn::fused_record;
 pub use kernels::{OptimKernels, QuantizedMoments, Scaling};
 pub use memory_saving::MemorySaving;
 pub use quantized::{QuantMap, QuantizedTensor};

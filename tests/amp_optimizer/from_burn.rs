@@ -1,9 +1,10 @@
-//! A run saved with Burn's `AdamW` or `Adam` goes on with the fused AdamW from the converted
-//! record (`burn_amp::optim::fused_adamw_record`).
+//! A run saved with Burn's `AdamW`, `Adam` or `Sgd` goes on with the fused optimizer from the
+//! converted record (`burn_amp::optim::fused_record`).
 
 use burn::optim::decay::WeightDecayConfig;
-use burn::optim::{AdamConfig, AdamWConfig, Optimizer};
-use burn_amp::optim::{FusedAdamWConfig, fused_adamw_record};
+use burn::optim::momentum::MomentumConfig;
+use burn::optim::{AdamConfig, AdamWConfig, Optimizer, SgdConfig};
+use burn_amp::optim::{FusedAdamWConfig, FusedSgdConfig, fused_record};
 use burn_amp::{Precision, autocast};
 
 use super::{B, Mlp, model, params, serial, step};
@@ -11,8 +12,8 @@ use super::{B, Mlp, model, params, serial, step};
 /// Five steps of Burn's optimizer, its record converted; then four more steps each of Burn's
 /// optimizer, the fused one from the converted record, and the fused one from nothing. The
 /// resumed fused run follows Burn's within f32 rounding (`1e-6` of the value, 1 where
-/// smaller: 1.8e-7 and 1.9e-7 measured); the fresh one is off by far more (its first step is a whole
-/// `lr` per element), so the moments, the maximum and the step counts were carried.
+/// smaller: 1.8e-7, 1.9e-7 and 0 measured); the fresh one is off by far more, so the
+/// moments, the maximum, the velocities and the step counts were carried.
 fn resumes_like_burn<OB, OF>(
     what: &str,
     burn: impl Fn() -> OB,
@@ -58,7 +59,7 @@ fn resumes_like_burn<OB, OF>(
 }
 
 #[test]
-fn burn_adamw_and_adam_records_resume_in_the_fused_adamw() {
+fn burn_adamw_adam_and_sgd_records_resume_in_the_fused_optimizers() {
     let _serial = serial();
     let adamw = AdamWConfig::new()
         .with_epsilon(1e-8)
@@ -72,7 +73,7 @@ fn burn_adamw_and_adam_records_resume_in_the_fused_adamw() {
         "AdamW with AMSGrad",
         || adamw.init::<B, Mlp<B>>(),
         || fused_adamw.init::<B, Mlp<B>>().expect("a valid config"),
-        fused_adamw_record,
+        fused_record,
     );
     let adam = AdamConfig::new()
         .with_epsilon(1e-8)
@@ -84,6 +85,19 @@ fn burn_adamw_and_adam_records_resume_in_the_fused_adamw() {
         "Adam with an L2 penalty",
         || adam.init::<B, Mlp<B>>(),
         || fused_adam.init::<B, Mlp<B>>().expect("a valid config"),
-        fused_adamw_record,
+        fused_record,
+    );
+    let sgd = SgdConfig::new()
+        .with_momentum(Some(MomentumConfig::new().with_dampening(0.1)))
+        .with_weight_decay(Some(WeightDecayConfig::new(0.05)));
+    let fused_sgd = FusedSgdConfig::new()
+        .with_momentum(0.9)
+        .with_dampening(0.1)
+        .with_weight_decay(0.05);
+    resumes_like_burn(
+        "SGD with momentum",
+        || sgd.init::<B, Mlp<B>>(),
+        || fused_sgd.init::<B, Mlp<B>>().expect("a valid config"),
+        fused_record,
     );
 }
