@@ -24,6 +24,7 @@ use super::{
     AdamWMomentState, F32Moments, FusedAdamW, FusedAdamWState, FusedSgd, FusedSgdState,
     OptimKernels,
 };
+use crate::grads::f32_scalar;
 use crate::record::ExactTensor;
 
 /// A Burn optimizer whose per-parameter state becomes a fused optimizer's.
@@ -64,26 +65,18 @@ impl<B: OptimKernels> IntoFused<B> for Sgd<B> {
         let item = state.momentum?.into_item::<FullPrecisionSettings>();
         let velocity = Tensor::<B, D>::from_item(item.velocity, &Default::default());
         Some(FusedSgdState {
-            step: ExactTensor(count(1, &velocity.device())),
+            step: ExactTensor(f32_scalar(1.0, &velocity.device())),
             velocity,
         })
     }
 }
 
-/// A step count as the fused optimizers keep it: an f32 `[1]` device scalar, exact below
-/// 2^24 steps.
-fn count<B: Backend>(steps: usize, device: &B::Device) -> Tensor<B, 1> {
-    Tensor::from_data(
-        TensorData::new(vec![steps as f32], [1]),
-        (device, burn::tensor::DType::F32),
-    )
-}
-
-/// The moments as they are; the step count is `time`, the steps applied.
+/// The moments as they are; the step count is `time`, the steps applied (an f32 device
+/// scalar, as the fused optimizers count: exact below 2^24 steps).
 fn from_momentum<B: Backend, const D: usize>(
     m: AdaptiveMomentumState<B, D>,
 ) -> FusedAdamWState<B, D> {
-    let step = count(m.time, &m.moment_1.device());
+    let step = f32_scalar(m.time as f32, &m.moment_1.device());
     FusedAdamWState {
         moments: AdamWMomentState::F32(F32Moments {
             exp_avg: m.moment_1,
