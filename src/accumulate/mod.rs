@@ -46,7 +46,9 @@
 //! inside the fused kernels or before clipping), the wrapped optimizer steps or skips once,
 //! and `update` then moves the scale once. An overflow in any micro-step therefore skips the
 //! whole window exactly once. A scale that changes mid-window anyway (another module's
-//! `update`, a loaded scaler record) is an [`AccumulationError::ScaleChangedMidWindow`].
+//! `update` by hand, a loaded scaler record) is an [`AccumulationError::ScaleChangedMidWindow`];
+//! optimizers sharing an [`AmpOptimizer`](crate::AmpOptimizer)'s scaler keep it for the
+//! window ([`ScaledStep::holds_scaled_gradients`]).
 //!
 //! # Saving
 //! [`Optimizer::to_record`] saves the partial sums, the position in the window, the loss scale
@@ -593,5 +595,11 @@ where
             }
         };
         self.inner.step_scaled(lr, module, list, Some(&signals))
+    }
+
+    /// A window begun under a scale (live, or loaded from a record), until its boundary or
+    /// [`discard_window`](GradientAccumulation::discard_window).
+    fn holds_scaled_gradients(&self) -> bool {
+        matches!(self.window, Window::Scaled(_))
     }
 }

@@ -52,7 +52,13 @@
 //! its backward used, whether both backwards come before both steps or not). One update per
 //! backward that follows steps: a GAN's loop (a backward and a step, twice) updates twice per
 //! iteration, as Accelerate does; PyTorch's loop for several losses (both backwards, then both
-//! steps) once, as its `scaler.update()` does.
+//! steps) once, as its `scaler.update()` does. So each optimizer steps before the first
+//! backward that follows another's step: in `backward A, backward B, step B, backward C,
+//! step A`, A would unscale with the scale updated at C (nothing tells whose backward C is).
+//!
+//! One of them in a [`GradientAccumulation`](crate::GradientAccumulation) window holds the
+//! scale until the window's boundary (the window's sums carry it): the others skip on their
+//! overflows at once, and the scale backs off for them after the boundary.
 //!
 //! ## Several devices
 //! One scale for all devices: a worker's first backward after a step copies the scale to its
@@ -307,7 +313,8 @@ where
     /// a second loss's model) with this one's loss scaling: one scale, which every backward
     /// multiplies by, updated once after the steps of both (backing off if either overflowed)
     /// at the next backward, so that each step unscales with the scale its backward used
-    /// whether the loop runs both backwards before both steps or each before its step. Each
+    /// whether the loop runs both backwards before both steps or each before its step (and
+    /// not while either holds an accumulation window: [module docs](self)). Each
     /// optimizer skips on its own gradients and counts its own steps; [`scale`](Self::scale)
     /// and the records of both say the one scale that the next backward will use (that update
     /// included: a checkpoint resumes the run). Call it on either for a third. With the scaler
@@ -387,7 +394,7 @@ where
             let (module, outcome) = self.inner.step_scaled(lr, module, list, None)?;
             return Ok((module, matches!(outcome, StepOutcome::Stepped { .. }), None));
         }
-        let deferred = self.slot.deferred();
+        let (deferred, member) = (self.slot.deferred(), self.member);
         let (config, inner) = (&self.config, &mut self.inner);
         let (result, scale, state) = self.slot.with(|cell| {
             let scaler = match cell.scaler.take() {
@@ -410,6 +417,7 @@ where
                 stepped.and_then(|(module, report)| scaler.update().map(|()| (module, report)))
             };
             let (scale, state) = (scaler.scale_tensor(), scaler.state());
+            cell.set_holding(member, inner.holds_scaled_gradients());
             // For the monitor, when the update waits: the state the next backward will find,
             // as `scale()` says (an update of a copy, on the device).
             let state = if deferred {
@@ -493,6 +501,10 @@ where
 
     fn load_record(mut self, (inner, scaler, counts): Self::Record) -> Self {
         self.inner = self.inner.load_record(inner);
+        // A loaded accumulation window holds the saved scale: it must stay until the
+        // window's boundary, whichever optimizer sharing it steps first.
+        let (member, holds) = (self.member, self.inner.holds_scaled_gradients());
+        self.slot.with(|cell| cell.set_holding(member, holds));
         let scale = scaler.as_ref().map(|record| record.scale);
         if let Some(record) = scaler {
             self.load_scaler_record(record);

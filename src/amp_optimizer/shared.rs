@@ -8,6 +8,11 @@
 //! them overflowed) runs at the next backward, before it takes the scale
 //! ([`registry::PendingUpdate`]): every step unscales with the scale its backward used,
 //! whether a loop runs all backwards before the steps or each backward before its step.
+//!
+//! While one of them holds gradients multiplied by the current scale for a later step (an
+//! accumulation window), the scale must not change: the update at a backward then only
+//! finishes the steps (so that each optimizer may step again) and keeps their overflow flags
+//! for the update after that window's boundary ([`GradScaler::defer_update`]).
 
 use std::sync::{Arc, Mutex, MutexGuard};
 
@@ -29,6 +34,10 @@ where
     pub loaded: Option<GradScalerRecord>,
     /// Steps taken whose update waits for the next backward (a shared scaler only).
     pub pending: bool,
+    /// Per member (index: `registry::join`'s), whether it holds scaled gradients for a later
+    /// step ([`ScaledStep::holds_scaled_gradients`](crate::scaler::ScaledStep)), as its last
+    /// step or load left it.
+    pub holding: Vec<bool>,
 }
 
 impl<B: AutodiffBackend> Default for ScalerCell<B>
@@ -40,6 +49,7 @@ where
             scaler: None,
             loaded: None,
             pending: false,
+            holding: Vec::new(),
         }
     }
 }
@@ -53,11 +63,23 @@ where
     /// records say what the next step will use, and a record resumes where the run goes on.
     pub fn settled(&self) -> Option<GradScaler<B>> {
         let mut scaler = self.scaler.clone()?;
-        if self.pending {
+        if self.pending && !self.any_holding() {
             // As `run`: `pending` means a step to finish.
             let _ = scaler.update();
         }
         Some(scaler)
+    }
+
+    /// Records whether `member` holds scaled gradients for a later step.
+    pub fn set_holding(&mut self, member: usize, holds: bool) {
+        if self.holding.len() <= member {
+            self.holding.resize(member + 1, false);
+        }
+        self.holding[member] = holds;
+    }
+
+    fn any_holding(&self) -> bool {
+        self.holding.iter().any(|&h| h)
     }
 }
 
@@ -90,9 +112,13 @@ where
         if !core::mem::take(&mut cell.pending) {
             return;
         }
+        let holding = cell.any_holding();
         if let Some(scaler) = cell.scaler.as_mut() {
             // `pending` is set only after a step, so the update has one to finish.
-            if scaler.update().is_ok() {
+            if holding {
+                // The scale stays; the flags wait for the window's boundary.
+                let _ = scaler.defer_update();
+            } else if scaler.update().is_ok() {
                 registry::publish::<B::InnerBackend>(self.owner, primitive(scaler.scale_tensor()));
             }
         }

@@ -173,6 +173,9 @@ where
     state: Tensor<B::InnerBackend, 1>,
     /// The modules seen since the last `update`.
     modules: Vec<ModuleStep<B::InnerBackend>>,
+    /// The overflow flags of steps whose update was put off ([`defer_update`](Self::defer_update)),
+    /// for the next `update`.
+    deferred: Option<Tensor<B::InnerBackend, 1>>,
     /// Times the scale may have changed: each `update` that ran and each `load_record`.
     generation: u64,
 }
@@ -200,6 +203,7 @@ impl GradScalerConfig {
             enabled: self.enabled && precision.needs_loss_scaling(),
             state: state_tensor(&record, device),
             modules: Vec::new(),
+            deferred: None,
             generation: 0,
         })
     }
@@ -390,11 +394,7 @@ where
         if !self.modules.iter().any(|m| m.stage == Stage::Stepped) {
             return Err(ScalerError::UpdateBeforeStep);
         }
-        let found_inf = self
-            .modules
-            .drain(..)
-            .filter_map(|m| m.found_inf)
-            .reduce(|a, b| a.max_pair(b));
+        let found_inf = self.drain_found_inf();
         if let Some(found_inf) = found_inf.filter(|_| self.enabled) {
             self.state = tensor(B::InnerBackend::update_scale(
                 primitive(self.state.clone()),
@@ -404,6 +404,28 @@ where
             self.generation += 1;
         }
         Ok(())
+    }
+
+    /// Finishes the step like [`update`](Self::update) (each module may step again) but leaves
+    /// the scale as it is: the overflow flags wait for the next `update`, which backs off for
+    /// them. For optimizers sharing the scaler while one of them holds gradients scaled by
+    /// the current scale (an open accumulation window).
+    pub(crate) fn defer_update(&mut self) -> Result<(), ScalerError> {
+        if !self.modules.iter().any(|m| m.stage == Stage::Stepped) {
+            return Err(ScalerError::UpdateBeforeStep);
+        }
+        self.deferred = self.drain_found_inf();
+        Ok(())
+    }
+
+    /// The overflow flags of the steps since the last update (and of those put off), the
+    /// modules' entries cleared.
+    fn drain_found_inf(&mut self) -> Option<Tensor<B::InnerBackend, 1>> {
+        self.modules
+            .drain(..)
+            .filter_map(|m| m.found_inf)
+            .chain(self.deferred.take())
+            .reduce(|a, b| a.max_pair(b))
     }
 
     /// The current scale (1 when the scaler passes through, as PyTorch's `get_scale`).
@@ -454,6 +476,7 @@ where
     pub fn load_record(mut self, record: GradScalerRecord) -> Self {
         self.state = state_tensor(&record, &self.state.device());
         self.modules.clear();
+        self.deferred = None;
         self.generation += 1;
         self
     }

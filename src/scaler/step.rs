@@ -75,6 +75,14 @@ pub trait ScaledStep<M: AutodiffModule<B>, B: AutodiffBackend> {
         grads: GradList<B::InnerBackend>,
         scale: Option<&ScaleSignals<B::InnerBackend>>,
     ) -> Result<(M, StepOutcome<B::InnerBackend>), ScalerError>;
+
+    /// Whether it holds gradients still multiplied by the loss scale for a later step (an
+    /// accumulation window begun under a scale): until it steps them, the scale must not
+    /// change. Optimizers that share a scaler consult it before the scale's update
+    /// ([`AmpOptimizer::share_scaler`](crate::AmpOptimizer::share_scaler)).
+    fn holds_scaled_gradients(&self) -> bool {
+        false
+    }
 }
 
 /// Any Burn [`Optimizer`] as a [`ScaledStep`]: one host read of `found_inf` per step. Burn's

@@ -11,6 +11,7 @@
 mod common;
 mod from_burn;
 mod random_schedules;
+mod shared_accumulation;
 mod shared_scaler;
 
 use std::sync::{Arc, Mutex, MutexGuard};

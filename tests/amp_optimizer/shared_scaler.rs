@@ -12,7 +12,7 @@ use super::*;
 
 const ITERATIONS: usize = 9;
 
-fn second_model(device: &burn::tensor::Device<B>) -> Mlp<B> {
+pub(super) fn second_model(device: &burn::tensor::Device<B>) -> Mlp<B> {
     B::seed(device, 5);
     Mlp::new(D_IN, 16, CLASSES, device)
 }
@@ -32,20 +32,20 @@ enum Order {
 /// Per iteration: both models' weights (bits), the scale after the iteration; and each
 /// optimizer's skipped steps at the end.
 #[derive(Debug, PartialEq)]
-struct Run {
-    weights: Vec<[Vec<u32>; 2]>,
-    scales: Vec<f32>,
-    skipped: [u64; 2],
+pub(super) struct Run {
+    pub weights: Vec<[Vec<u32>; 2]>,
+    pub scales: Vec<f32>,
+    pub skipped: [u64; 2],
 }
 
-type Fused = burn_amp::optim::ScaledAdaptor<burn_amp::optim::FusedAdamW, Mlp<B>, B>;
-type BurnAdam = burn::optim::adaptor::OptimizerAdaptor<burn::optim::Adam, Mlp<B>, B>;
+pub(super) type Fused = burn_amp::optim::ScaledAdaptor<burn_amp::optim::FusedAdamW, Mlp<B>, B>;
+pub(super) type BurnAdam = burn::optim::adaptor::OptimizerAdaptor<burn::optim::Adam, Mlp<B>, B>;
 
-fn fused() -> Fused {
+pub(super) fn fused() -> Fused {
     FusedAdamWConfig::new().init::<B, Mlp<B>>().unwrap()
 }
 
-fn adam() -> BurnAdam {
+pub(super) fn adam() -> BurnAdam {
     AdamConfig::new().init::<B, Mlp<B>>()
 }
 
