@@ -75,7 +75,6 @@ use std::collections::HashMap;
 use burn::module::{AutodiffModule, ModuleVisitor, Param, ParamId};
 use burn::optim::{GradientsParams, LearningRate, MultiGradientsParams, Optimizer};
 use burn::prelude::*;
-use burn::record::Record;
 use burn::tensor::backend::AutodiffBackend;
 use burn_backend::ops::FloatTensorOps;
 use burn_std::FloatDType;
@@ -86,9 +85,7 @@ pub use record::{AccumulatedGradRecord, GradientAccumulationRecord};
 pub use scheduler::WindowedLrScheduler;
 
 use crate::grads::{GradEntry, GradList, flat, primitive, tensor};
-use crate::record::ExactTensor;
 use crate::scaler::{ScaleSignals, ScaledStep, ScalerError, ScalerKernels, Stage, StepOutcome};
-use record::{dtype_code, dtype_from_code};
 
 type Inner<B> = <B as AutodiffBackend>::InnerBackend;
 
@@ -405,91 +402,6 @@ impl<O, B: AutodiffBackend> GradientAccumulation<O, B> {
             });
         }
         Ok(())
-    }
-
-    fn record_with<R: Record<B>>(&self, inner: R) -> GradientAccumulationRecord<B, R> {
-        let (window, window_scale) = match &self.window {
-            Window::Empty => (0, None),
-            Window::Unscaled => (1, None),
-            Window::Scaled(WindowScale::Live { scale, .. }) => {
-                (2, Some(scale.clone().into_scalar().elem::<f32>()))
-            }
-            Window::Scaled(WindowScale::Saved(saved)) => (2, Some(*saved)),
-        };
-        let buffers = self
-            .buffers
-            .iter()
-            .map(|(id, b)| {
-                let record = AccumulatedGradRecord {
-                    shape: b.shape.to_vec(),
-                    acc: ExactTensor(Tensor::from_inner(b.acc.clone())),
-                    dtype: dtype_code(b.dtype),
-                };
-                (*id, record)
-            })
-            .collect();
-        GradientAccumulationRecord {
-            inner,
-            micro_batches: self.micro_batches,
-            sum: self.reduction == Reduction::Sum,
-            micro_step: self.micro_step,
-            optimizer_steps: self.optimizer_steps,
-            window,
-            window_scale,
-            buffers,
-        }
-    }
-
-    /// Restores a saved state, wrapped optimizer included. Fails when the record was saved
-    /// with another `micro_batches` or reduction.
-    pub fn try_load_record<M>(
-        mut self,
-        record: GradientAccumulationRecord<B, O::Record>,
-    ) -> Result<Self, AccumulationError>
-    where
-        M: AutodiffModule<B>,
-        O: Optimizer<M, B>,
-    {
-        let saved_reduction = if record.sum {
-            Reduction::Sum
-        } else {
-            Reduction::Mean
-        };
-        if record.micro_batches != self.micro_batches || saved_reduction != self.reduction {
-            return Err(AccumulationError::RecordMismatch {
-                saved_micro_batches: record.micro_batches,
-                saved_reduction,
-                micro_batches: self.micro_batches,
-                reduction: self.reduction,
-            });
-        }
-        self.inner = self.inner.load_record(record.inner);
-        self.micro_step = record.micro_step;
-        self.optimizer_steps = record.optimizer_steps;
-        self.window = match (record.window, record.window_scale) {
-            (1, _) => Window::Unscaled,
-            (2, Some(scale)) => Window::Scaled(WindowScale::Saved(scale)),
-            // A scaled window saved without its scale cannot be checked: start afresh.
-            _ => Window::Empty,
-        };
-        self.buffers = if matches!(self.window, Window::Empty) {
-            self.micro_step = 0;
-            HashMap::new()
-        } else {
-            record
-                .buffers
-                .into_iter()
-                .map(|(id, r)| {
-                    let buffer = Buffer {
-                        acc: r.acc.into_tensor().inner(),
-                        shape: Shape::from(r.shape),
-                        dtype: dtype_from_code(r.dtype),
-                    };
-                    (id, buffer)
-                })
-                .collect()
-        };
-        Ok(self)
     }
 }
 
