@@ -12,6 +12,7 @@ use burn::tensor::backend::AutodiffBackend;
 
 use serde::{Deserialize, Serialize};
 
+use super::groups::{self, ParamGroup};
 use super::kernels::{AdamWMoments, OptimKernels, QuantizedMoments, Scaling, fallback};
 use super::quantized::{QuantMap, QuantizedTensor};
 use super::rounding::WeightRounding;
@@ -117,6 +118,10 @@ pub struct FusedAdamWConfig {
     /// resumed run replay bit for bit.
     #[config(default = 0)]
     pub seed: u64,
+    /// Options by module path: a learning-rate scale and a weight decay per group
+    /// ([`ParamGroup`]; the first group that matches a parameter applies).
+    #[config(default = "Vec::new()")]
+    pub param_groups: Vec<ParamGroup>,
 }
 
 impl FusedAdamWConfig {
@@ -151,6 +156,7 @@ impl FusedAdamWConfig {
             self.weight_decay >= 0.0,
             "a finite number >= 0",
         )?;
+        groups::validate(name, &self.param_groups)?;
         if self.cautious_weight_decay && !self.decoupled_weight_decay {
             return Err(OptimError::Unsupported {
                 optimizer: name,
@@ -175,6 +181,12 @@ impl FusedAdamWConfig {
             )?;
         }
         Ok(())
+    }
+
+    /// One more parameter group ([`ParamGroup`]), after those there are.
+    pub fn with_group(mut self, group: ParamGroup) -> Self {
+        self.param_groups.push(group);
+        self
     }
 
     /// Adam, as PyTorch's `Adam` (weight decay 0; a weight decay set later is an L2 penalty
@@ -405,16 +417,31 @@ impl<B: OptimKernels> ScaledSimpleOptimizer<B> for FusedAdamW {
         state.moments.bytes() + bytes(&state.step.0)
     }
 
-    /// With stochastic rounding, each parameter its own stream: the seed alone (mixed with
-    /// the size) gave every parameter of one size (each layer's q, k, v and o projections)
-    /// the same random bits at each element, rounding them all up or down together.
-    fn for_parameter(&self, index: usize) -> Cow<'_, Self> {
-        if self.config.weight_rounding != WeightRounding::Stochastic {
+    fn param_groups(&self) -> &[ParamGroup] {
+        &self.config.param_groups
+    }
+
+    /// A group's weight decay in place of the config's. With stochastic rounding, each
+    /// parameter its own stream: the seed alone (mixed with the size) gave every parameter of
+    /// one size (each layer's q, k, v and o projections) the same random bits at each
+    /// element, rounding them all up or down together.
+    fn for_parameter(&self, index: usize, group: Option<&ParamGroup>) -> Cow<'_, Self> {
+        let decay = group.and_then(|g| g.weight_decay);
+        let stochastic = self.config.weight_rounding == WeightRounding::Stochastic;
+        if decay.is_none() && !stochastic {
             return Cow::Borrowed(self);
         }
-        let salt = (index as u64 + 1).wrapping_mul(0xD6E8_FEB8_6659_FD93);
         let mut optim = self.clone();
-        optim.config.seed ^= salt.rotate_left(29);
+        if let Some(decay) = decay {
+            (
+                optim.config.weight_decay,
+                optim.config.weight_decay_min_rank,
+            ) = (decay, 0);
+        }
+        if stochastic {
+            let salt = (index as u64 + 1).wrapping_mul(0xD6E8_FEB8_6659_FD93);
+            optim.config.seed ^= salt.rotate_left(29);
+        }
         Cow::Owned(optim)
     }
 }

@@ -15,6 +15,7 @@ use burn::tensor::backend::AutodiffBackend;
 use burn_backend::tensor::FloatTensor;
 use hashbrown::HashMap;
 
+use super::groups::{ModulePath, group_of, param_groups_of};
 use super::{ScaledSimpleOptimizer, Scaling};
 use crate::grads::{GradList, primitive, tensor};
 use crate::scaler::{ScaleSignals, ScaledStep, ScalerError, ScalerKernels, StepOutcome};
@@ -35,6 +36,8 @@ where
     optim: O,
     records: HashMap<ParamId, AdaptorRecord<O, B>>,
     grad_clipping: Option<GradientClipping>,
+    /// Whether the parameter groups were matched against the module (at its first step).
+    groups_checked: bool,
     _module: PhantomData<M>,
 }
 
@@ -50,6 +53,7 @@ where
             optim,
             records: HashMap::new(),
             grad_clipping: None,
+            groups_checked: false,
             _module: PhantomData,
         }
     }
@@ -68,6 +72,41 @@ where
     /// The gradient clipping.
     pub fn grad_clipping(&self) -> Option<&GradientClipping> {
         self.grad_clipping.as_ref()
+    }
+
+    /// Each float parameter of `module`: its path (what a [`ParamGroup`](super::ParamGroup)'s
+    /// pattern matches) and the index of the group whose options it steps with, if any.
+    pub fn param_groups(&self, module: &M) -> Vec<(String, Option<usize>)> {
+        param_groups_of::<B, M>(module, self.optim.param_groups())
+    }
+
+    /// The parameter groups (indices) that match no parameter of `module`: a typo, which
+    /// would otherwise train those parameters with the optimizer's options, silently. The
+    /// first step warns of each in the log.
+    pub fn unmatched_groups(&self, module: &M) -> Vec<usize> {
+        let placed = self.param_groups(module);
+        (0..self.optim.param_groups().len())
+            .filter(|&index| !placed.iter().any(|(_, g)| *g == Some(index)))
+            .collect()
+    }
+
+    /// Warns once of the groups that match no parameter of `module`.
+    fn check_groups(&mut self, module: &M) {
+        if core::mem::replace(&mut self.groups_checked, true) {
+            return;
+        }
+        let unmatched = self.unmatched_groups(module);
+        let Some((example, _)) = self.param_groups(module).into_iter().next() else {
+            return;
+        };
+        for index in unmatched {
+            log::warn!(
+                "burn-amp: parameter group {index} (`{}`) matches no parameter of the module, \
+                 so it sets the options of none. Paths are field names and indices joined by \
+                 dots, e.g. `{example}`",
+                self.optim.param_groups()[index].path
+            );
+        }
     }
 
     /// Bytes of the optimizer state of `module`'s parameters (those that had a step).
@@ -107,6 +146,7 @@ where
         grads: GradList<Inner<B>>,
         scaling: Option<Scaling<FloatTensor<Inner<B>>>>,
     ) -> M {
+        self.check_groups(&module);
         let grads = grads
             .into_entries()
             .into_iter()
@@ -123,6 +163,7 @@ where
                 per_device: Vec::new(),
             },
             visited: 0,
+            path: ModulePath::default(),
         })
     }
 }
@@ -163,6 +204,8 @@ where
     signals: DeviceSignals<Inner<B>>,
     /// Float parameters visited so far, with or without a gradient: each parameter's index.
     visited: usize,
+    /// Where in the module the mapper is: each parameter's path, for its group.
+    path: ModulePath,
 }
 
 impl<O, B> ModuleMapper<B> for Mapper<'_, O, B>
@@ -170,6 +213,14 @@ where
     O: ScaledSimpleOptimizer<B::InnerBackend>,
     B: AutodiffBackend,
 {
+    fn enter_module(&mut self, name: &str, _: &str) {
+        self.path.enter(name);
+    }
+
+    fn exit_module(&mut self, _: &str, _: &str) {
+        self.path.exit();
+    }
+
     fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
         let (id, value, mapper) = param.consume();
         let index = self.visited;
@@ -195,8 +246,13 @@ where
             .remove(&id)
             .map(|r| O::to_device(r.into_state::<D>(), &device));
         let scaling = self.signals.on(&device);
-        let (value, state) = self.optim.for_parameter(index).step_scaled(
-            self.lr,
+        let group = match self.optim.param_groups() {
+            [] => None,
+            groups => group_of(groups, &self.path.joined()).map(|(_, group)| group),
+        };
+        let lr = self.lr * group.map_or(1.0, |g| g.lr_scale);
+        let (value, state) = self.optim.for_parameter(index, group).step_scaled(
+            lr,
             value.inner(),
             grad,
             state,

@@ -19,6 +19,7 @@
 mod adamw;
 mod adaptor;
 pub mod from_burn;
+pub mod groups;
 pub mod kernels;
 mod memory_saving;
 pub mod quantized;
@@ -39,6 +40,7 @@ pub use adamw::{
 };
 pub use adaptor::ScaledAdaptor;
 pub use from_burn::fused_record;
+pub use groups::ParamGroup;
 pub use kernels::{OptimKernels, QuantizedMoments, Scaling};
 pub use memory_saving::MemorySaving;
 pub use quantized::{QuantMap, QuantizedTensor};
@@ -62,14 +64,21 @@ pub trait ScaledSimpleOptimizer<B: Backend>: SimpleOptimizer<B> {
     /// Bytes held by one parameter's state.
     fn state_bytes<const D: usize>(state: &Self::State<D>) -> u64;
 
+    /// Its parameter groups ([`ParamGroup`]), from its configuration; none by default.
+    fn param_groups(&self) -> &[ParamGroup] {
+        &[]
+    }
+
     /// The optimizer for the module's `index`-th float parameter (in visiting order, which a
-    /// resumed run and another run of the same model share): where it draws random bits per
+    /// resumed run and another run of the same model share), in `group` when one of its
+    /// [`param_groups`](Self::param_groups) matches the parameter: where it takes the group's
+    /// weight decay (the adaptor scales the learning rate) and, when it draws random bits per
     /// parameter, their stream. [`ScaledAdaptor`] asks before each parameter's step.
-    fn for_parameter(&self, index: usize) -> Cow<'_, Self>
+    fn for_parameter(&self, index: usize, group: Option<&ParamGroup>) -> Cow<'_, Self>
     where
         Self: Clone,
     {
-        let _ = index;
+        let _ = (index, group);
         Cow::Borrowed(self)
     }
 }
@@ -98,6 +107,18 @@ pub enum OptimError {
         what: &'static str,
         /// What to do instead.
         instead: &'static str,
+    },
+    /// A parameter group that cannot be used.
+    #[error("invalid {optimizer} parameter group {index} (`{path}`): {what}")]
+    InvalidParamGroup {
+        /// The optimizer.
+        optimizer: &'static str,
+        /// The group's place in `param_groups`.
+        index: usize,
+        /// Its path pattern.
+        path: String,
+        /// What is wrong with it.
+        what: String,
     },
 }
 

@@ -1,6 +1,8 @@
 //! SGD (optional momentum, dampening, Nesterov, L2 weight decay) as one
 //! [`OptimKernels::sgd_step`] per parameter.
 
+use std::borrow::Cow;
+
 use burn::config::Config;
 use burn::module::AutodiffModule;
 use burn::optim::grad_clipping::GradientClippingConfig;
@@ -9,6 +11,7 @@ use burn::prelude::*;
 use burn::record::Record;
 use burn::tensor::backend::AutodiffBackend;
 
+use super::groups::{self, ParamGroup};
 use super::kernels::{OptimKernels, Scaling, Velocity, fallback};
 use super::{
     OptimError, ScaledAdaptor, ScaledSimpleOptimizer, adaptor, as_f32, bytes, check_range,
@@ -41,12 +44,17 @@ pub struct FusedSgdConfig {
     pub nesterov: bool,
     /// Gradient clipping, applied per parameter to unscaled gradients (Burn's semantics).
     pub grad_clipping: Option<GradientClippingConfig>,
+    /// Options by module path: a learning-rate scale and a weight decay per group
+    /// ([`ParamGroup`]; the first group that matches a parameter applies).
+    #[config(default = "Vec::new()")]
+    pub param_groups: Vec<ParamGroup>,
 }
 
 impl FusedSgdConfig {
     /// Checks the values; the error names the field and says what is allowed.
     pub fn validate(&self) -> Result<(), OptimError> {
         let name = "FusedSgd";
+        groups::validate(name, &self.param_groups)?;
         check_range(
             name,
             "momentum",
@@ -85,6 +93,12 @@ impl FusedSgdConfig {
             )?;
         }
         Ok(())
+    }
+
+    /// One more parameter group ([`ParamGroup`]), after those there are.
+    pub fn with_group(mut self, group: ParamGroup) -> Self {
+        self.param_groups.push(group);
+        self
     }
 
     /// The optimizer for module `M`, with empty state.
@@ -168,5 +182,24 @@ impl<B: OptimKernels> ScaledSimpleOptimizer<B> for FusedSgd {
 
     fn state_bytes<const D: usize>(state: &Self::State<D>) -> u64 {
         bytes(&state.velocity) + bytes(&state.step.0)
+    }
+
+    fn param_groups(&self) -> &[ParamGroup] {
+        &self.config.param_groups
+    }
+
+    /// A group's weight decay in place of the config's.
+    fn for_parameter(&self, _: usize, group: Option<&ParamGroup>) -> Cow<'_, Self> {
+        match group.and_then(|g| g.weight_decay) {
+            None => Cow::Borrowed(self),
+            Some(decay) => {
+                let mut optim = self.clone();
+                (
+                    optim.config.weight_decay,
+                    optim.config.weight_decay_min_rank,
+                ) = (decay, 0);
+                Cow::Owned(optim)
+            }
+        }
     }
 }
