@@ -87,7 +87,7 @@ pub use metrics::{
 };
 
 use metrics::{MemoryProbe, SamplePoint};
-use shared::{ScalerCell, ScalerSlot};
+use shared::{MemberToken, ScalerCell, ScalerSlot};
 
 use crate::Precision;
 use crate::grads::{GradList, f32_scalar, primitive};
@@ -139,6 +139,9 @@ where
     slot: ScalerSlot<B>,
     /// This optimizer among those sharing the scaler (0: the one that installed it).
     member: usize,
+    /// Alive while this optimizer (any clone) is: a window it held stops holding the shared
+    /// scale once it is dropped.
+    token: MemberToken,
     /// Skipped steps so far, f32 `[1]` on the scaler's device (no read to count them).
     skipped: Option<Tensor<B::InnerBackend, 1>>,
     /// Skipped steps of a loaded record, where the count starts when the scaler is made.
@@ -192,6 +195,7 @@ where
             config,
             slot: ScalerSlot::Own(ScalerCell::default()),
             member: 0,
+            token: MemberToken::default(),
             skipped: None,
             loaded_skipped: 0,
             last_found_inf: None,
@@ -332,6 +336,7 @@ where
             config: self.config.clone(),
             slot,
             member,
+            token: MemberToken::default(),
             skipped: None,
             loaded_skipped: 0,
             last_found_inf: None,
@@ -395,7 +400,7 @@ where
             return Ok((module, matches!(outcome, StepOutcome::Stepped { .. }), None));
         }
         let (deferred, member) = (self.slot.deferred(), self.member);
-        let (config, inner) = (&self.config, &mut self.inner);
+        let (config, inner, token) = (&self.config, &mut self.inner, &self.token);
         let (result, scale, state) = self.slot.with(|cell| {
             let scaler = match cell.scaler.take() {
                 Some(scaler) => scaler,
@@ -417,7 +422,7 @@ where
                 stepped.and_then(|(module, report)| scaler.update().map(|()| (module, report)))
             };
             let (scale, state) = (scaler.scale_tensor(), scaler.state());
-            cell.set_holding(member, inner.holds_scaled_gradients());
+            cell.set_holding(member, inner.holds_scaled_gradients(), token);
             // For the monitor, when the update waits: the state the next backward will find,
             // as `scale()` says (an update of a copy, on the device).
             let state = if deferred {
@@ -504,7 +509,9 @@ where
         // A loaded accumulation window holds the saved scale: it must stay until the
         // window's boundary, whichever optimizer sharing it steps first.
         let (member, holds) = (self.member, self.inner.holds_scaled_gradients());
-        self.slot.with(|cell| cell.set_holding(member, holds));
+        let token = &self.token;
+        self.slot
+            .with(|cell| cell.set_holding(member, holds, token));
         let scale = scaler.as_ref().map(|record| record.scale);
         if let Some(record) = scaler {
             self.load_scaler_record(record);

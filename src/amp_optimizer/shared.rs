@@ -14,7 +14,7 @@
 //! finishes the steps (so that each optimizer may step again) and keeps their overflow flags
 //! for the update after that window's boundary ([`GradScaler::defer_update`]).
 
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard, Weak};
 
 use burn::tensor::backend::AutodiffBackend;
 
@@ -36,9 +36,21 @@ where
     pub pending: bool,
     /// Per member (index: `registry::join`'s), whether it holds scaled gradients for a later
     /// step ([`ScaledStep::holds_scaled_gradients`](crate::scaler::ScaledStep)), as its last
-    /// step or load left it.
-    pub holding: Vec<bool>,
+    /// step or load left it, while it lives.
+    pub holding: Vec<Holding>,
 }
+
+/// Whether a member holds scaled gradients, and whether it still exists: a dropped optimizer
+/// (a phase of training over) must not hold the scale of the others forever.
+#[derive(Clone, Debug, Default)]
+pub(super) struct Holding {
+    holds: bool,
+    /// The member's [`MemberToken`] (its clones share it).
+    alive: Weak<()>,
+}
+
+/// What tells the shared scaler that an optimizer (one of its clones) still lives.
+pub(super) type MemberToken = Arc<()>;
 
 impl<B: AutodiffBackend> Default for ScalerCell<B>
 where
@@ -70,16 +82,22 @@ where
         Some(scaler)
     }
 
-    /// Records whether `member` holds scaled gradients for a later step.
-    pub fn set_holding(&mut self, member: usize, holds: bool) {
+    /// Records whether `member` (alive while `token` is) holds scaled gradients for a later
+    /// step.
+    pub fn set_holding(&mut self, member: usize, holds: bool, token: &MemberToken) {
         if self.holding.len() <= member {
-            self.holding.resize(member + 1, false);
+            self.holding.resize(member + 1, Holding::default());
         }
-        self.holding[member] = holds;
+        self.holding[member] = Holding {
+            holds,
+            alive: Arc::downgrade(token),
+        };
     }
 
     fn any_holding(&self) -> bool {
-        self.holding.iter().any(|&h| h)
+        self.holding
+            .iter()
+            .any(|h| h.holds && h.alive.strong_count() > 0)
     }
 }
 

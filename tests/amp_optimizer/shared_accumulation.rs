@@ -210,3 +210,27 @@ fn shared_records_resume_an_open_window() {
     assert_eq!(resumed.weights, whole.weights[3..], "weights");
     assert_eq!(resumed.scales, whole.scales[3..], "scales");
 }
+
+/// An optimizer dropped with its window open (a phase of training over) no longer holds the
+/// scale: the discriminator's overflow backs off at its next backward.
+#[test]
+fn a_dropped_optimizer_holds_no_window() {
+    let _s = serial();
+    let _g = autocast(Precision::F16);
+    let mut kept = None;
+    shared_from(Pair::new(), 0..3, |i, pair| {
+        if i == 2 {
+            kept = Some((pair.models.1.clone(), pair.optims.1.clone()));
+        }
+    });
+    // The generator's window (2..=3) is open, and its optimizer is gone with the pair.
+    let (mut model, mut optim) = kept.expect("kept at 2");
+    for i in 3..5 {
+        let grads =
+            GradientsParams::from_grads(loss_of(&model, i, DISCRIMINATOR).backward(), &model);
+        model = optim.try_step(1e-2, model, grads).unwrap();
+    }
+    // 3 overflowed; 4's backward backed off.
+    assert_eq!(optim.scale(), 32768.0);
+    assert_eq!(optim.step_counts().skipped_steps, 1);
+}
