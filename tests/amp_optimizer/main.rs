@@ -13,6 +13,7 @@ mod from_burn;
 mod param_groups;
 mod random_schedules;
 mod shared_accumulation;
+mod shared_random;
 mod shared_scaler;
 
 use std::sync::{Arc, Mutex, MutexGuard};
