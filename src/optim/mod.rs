@@ -15,6 +15,9 @@
 //! nearest. Keep trainable parameters in f32 (what `Amp<B>` does: it casts per op), or let
 //! AdamW round stochastically ([`WeightRounding::Stochastic`], see [`rounding`]); the
 //! [`MemorySaving`] preset does the latter with 8-bit moments: about 6 bytes per parameter.
+//!
+//! Options per parameter group go by module path ([`groups`]: a learning-rate scale and a
+//! weight decay, PyTorch's `param_groups`), resolved by the adaptor for each parameter.
 
 mod adamw;
 mod adaptor;
