@@ -100,6 +100,10 @@ pub struct FusedAdamWConfig {
     /// `u·x ≥ 0`: a negative value with a first moment of exactly 0 decays here, not in Burn's).
     #[config(default = false)]
     pub cautious_weight_decay: bool,
+    /// Ascend the gradient instead (PyTorch's `maximize`): the gradient is negated before
+    /// anything else, weight decay included.
+    #[config(default = false)]
+    pub maximize: bool,
     /// AMSGrad (PyTorch's and Burn's `amsgrad`): the denominator uses the largest second
     /// moment seen so far, kept as a third f32 state tensor (4 more bytes per parameter).
     /// f32 moments only.
@@ -415,6 +419,10 @@ impl<B: OptimKernels> ScaledSimpleOptimizer<B> for FusedAdamW {
 
     fn state_bytes<const D: usize>(state: &Self::State<D>) -> u64 {
         state.moments.bytes() + bytes(&state.step.0)
+    }
+
+    fn maximize(&self) -> bool {
+        self.config.maximize
     }
 
     fn param_groups(&self) -> &[ParamGroup] {

@@ -160,6 +160,7 @@ where
             clipping: self.grad_clipping.as_ref(),
             signals: DeviceSignals {
                 base: scaling,
+                maximize: self.optim.maximize(),
                 per_device: Vec::new(),
             },
             visited: 0,
@@ -171,6 +172,8 @@ where
 /// The step's signals on each device a parameter lives on.
 struct DeviceSignals<B: Backend> {
     base: Option<Scaling<FloatTensor<B>>>,
+    /// `inv_scale` negated (the optimizer maximizes): once per device and step.
+    maximize: bool,
     per_device: Vec<(B::Device, Scaling<FloatTensor<B>>)>,
 }
 
@@ -180,11 +183,17 @@ impl<B: Backend> DeviceSignals<B> {
             return s.clone();
         }
         let s = match &self.base {
-            Some(base) => Scaling {
-                inv_scale: B::float_to_device(base.inv_scale.clone(), device),
-                found_inf: B::float_to_device(base.found_inf.clone(), device),
-            },
-            None => super::unscaled::<B>(device),
+            Some(base) => {
+                let inv_scale = B::float_to_device(base.inv_scale.clone(), device);
+                Scaling {
+                    inv_scale: match self.maximize {
+                        true => B::float_neg(inv_scale),
+                        false => inv_scale,
+                    },
+                    found_inf: B::float_to_device(base.found_inf.clone(), device),
+                }
+            }
+            None => super::unscaled::<B>(device, self.maximize),
         };
         self.per_device.push((device.clone(), s.clone()));
         s

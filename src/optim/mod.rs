@@ -67,6 +67,13 @@ pub trait ScaledSimpleOptimizer<B: Backend>: SimpleOptimizer<B> {
     /// Bytes held by one parameter's state.
     fn state_bytes<const D: usize>(state: &Self::State<D>) -> u64;
 
+    /// Whether it ascends the gradient (PyTorch's `maximize`): the adaptor then hands it an
+    /// `inv_scale` of the opposite sign, so the gradient is negated where it is unscaled,
+    /// before any weight decay, as PyTorch negates it first.
+    fn maximize(&self) -> bool {
+        false
+    }
+
     /// Its parameter groups ([`ParamGroup`]), from its configuration; none by default.
     fn param_groups(&self) -> &[ParamGroup] {
         &[]
@@ -139,7 +146,8 @@ macro_rules! simple_optimizer {
                 grad: Tensor<B, D>,
                 state: Option<Self::State<D>>,
             ) -> (Tensor<B, D>, Option<Self::State<D>>) {
-                let scaling = super::unscaled::<B>(&value.device());
+                let maximize = <Self as ScaledSimpleOptimizer<B>>::maximize(self);
+                let scaling = super::unscaled::<B>(&value.device(), maximize);
                 self.step_scaled(lr, value, grad, state, scaling)
             }
 
@@ -170,11 +178,13 @@ where
     ScaledAdaptor::new(optim).with_grad_clipping(clipping.as_ref().map(|c| c.init()))
 }
 
-/// The neutral signals (`inv_scale = 1`, `found_inf = 0`) on `device`.
-pub(crate) fn unscaled<B: Backend>(device: &B::Device) -> Scaling<FloatTensor<B>> {
+/// The neutral signals on `device`: `found_inf = 0`, and `inv_scale = 1`, or -1 to
+/// `maximize` (the gradient negated, as PyTorch's flag does first).
+pub(crate) fn unscaled<B: Backend>(device: &B::Device, maximize: bool) -> Scaling<FloatTensor<B>> {
     use crate::grads::{f32_scalar, primitive};
+    let sign = if maximize { -1.0 } else { 1.0 };
     Scaling::new(
-        primitive(f32_scalar::<B>(1.0, device)),
+        primitive(f32_scalar::<B>(sign, device)),
         primitive(f32_scalar::<B>(0.0, device)),
     )
 }

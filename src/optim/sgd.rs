@@ -42,6 +42,10 @@ pub struct FusedSgdConfig {
     /// Nesterov momentum: needs momentum > 0 and dampening 0, as in PyTorch.
     #[config(default = false)]
     pub nesterov: bool,
+    /// Ascend the gradient instead (PyTorch's `maximize`): the gradient is negated before
+    /// anything else, weight decay included.
+    #[config(default = false)]
+    pub maximize: bool,
     /// Gradient clipping, applied per parameter to unscaled gradients (Burn's semantics).
     pub grad_clipping: Option<GradientClippingConfig>,
     /// Options by module path: a learning-rate scale and a weight decay per group
@@ -182,6 +186,10 @@ impl<B: OptimKernels> ScaledSimpleOptimizer<B> for FusedSgd {
 
     fn state_bytes<const D: usize>(state: &Self::State<D>) -> u64 {
         bytes(&state.velocity) + bytes(&state.step.0)
+    }
+
+    fn maximize(&self) -> bool {
+        self.config.maximize
     }
 
     fn param_groups(&self) -> &[ParamGroup] {

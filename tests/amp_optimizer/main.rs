@@ -10,6 +10,7 @@
 #[path = "../common/mod.rs"]
 mod common;
 mod from_burn;
+mod maximize;
 mod param_groups;
 mod random_schedules;
 mod shared_accumulation;

@@ -16,7 +16,7 @@ const LR: f64 = 1e-2;
 /// The same gradients whatever the weights (times `factor`): each parameter's trajectory
 /// then depends on its own options only, and runs with other options can be compared
 /// parameter by parameter.
-fn fixed_grads(model: &Mlp<B>, step: usize, factor: f32) -> GradientsParams {
+pub(super) fn fixed_grads(model: &Mlp<B>, step: usize, factor: f32) -> GradientsParams {
     struct Grads {
         step: usize,
         factor: f32,
@@ -49,7 +49,7 @@ fn fixed_grads(model: &Mlp<B>, step: usize, factor: f32) -> GradientsParams {
 }
 
 /// Each parameter's values (bits), in visiting order.
-fn per_param(model: &Mlp<B>) -> Vec<Vec<u32>> {
+pub(super) fn per_param(model: &Mlp<B>) -> Vec<Vec<u32>> {
     struct Values(Vec<Vec<u32>>);
     impl ModuleVisitor<B> for Values {
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
@@ -70,12 +70,20 @@ fn run<O>(optim: O, lr: f64, scaled: bool) -> Vec<Vec<u32>>
 where
     O: Optimizer<Mlp<B>, B> + ScaledStep<Mlp<B>, B>,
 {
+    run_signed(optim, lr, scaled, 1.0)
+}
+
+/// `run` on the fixed gradients times `sign`.
+pub(super) fn run_signed<O>(optim: O, lr: f64, scaled: bool, sign: f32) -> Vec<Vec<u32>>
+where
+    O: Optimizer<Mlp<B>, B> + ScaledStep<Mlp<B>, B>,
+{
     let device = Default::default();
     let mut model = model(&device);
     if !scaled {
         let mut optim = optim;
         for i in 0..STEPS {
-            let grads = fixed_grads(&model, i, 1.0);
+            let grads = fixed_grads(&model, i, sign);
             model = optim.step(lr, model, grads);
         }
         return per_param(&model);
@@ -85,7 +93,7 @@ where
     for i in 0..STEPS {
         let (x, y) = batch(i, false, &device);
         drop(model.loss(x, y).backward());
-        let grads = fixed_grads(&model, i, optim.scale());
+        let grads = fixed_grads(&model, i, sign * optim.scale());
         model = optim.step(lr, model, grads);
     }
     per_param(&model)
