@@ -163,7 +163,8 @@ const VARIANTS: [(bool, bool, bool); 5] = [
 ];
 
 /// AMSGrad, cautious weight decay and Adam's L2 penalty, kernel against fallback over steps
-/// with an overflow (skipped bit for bit, AMSGrad's maximum included). Whether each variant
+/// with an overflow (skipped bit for bit, AMSGrad's maximum included), and with `maximize`'s
+/// negative `inv_scale`. Whether each variant
 /// changes the step: `check_adamw_variants_by_hand`.
 fn check_adamw_variants<B: AmpKernels>(device: &B::Device, dtype: FloatDType) {
     let mut rng = Rng::new(17);
@@ -172,10 +173,22 @@ fn check_adamw_variants<B: AmpKernels>(device: &B::Device, dtype: FloatDType) {
             .with_amsgrad(amsgrad)
             .with_cautious_weight_decay(cautious)
             .with_decoupled_weight_decay(decoupled);
+        let plan = [false, false, true, false, false];
         for shape in [&[4097][..], &[16, 24], &[3]] {
-            let plan = [false, false, true, false, false];
             run_adamw_plan::<B>(device, &mut rng, &c, shape, dtype, dtype, 1.0, 1.0, &plan);
         }
+        // `maximize`: the adaptor hands the kernel a negative `inv_scale`.
+        run_adamw_plan::<B>(
+            device,
+            &mut rng,
+            &c,
+            &[16, 24],
+            dtype,
+            dtype,
+            -1.0,
+            1.0,
+            &plan,
+        );
     }
 }
 

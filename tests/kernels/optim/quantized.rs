@@ -119,7 +119,10 @@ fn check_adamw8bit<B: AmpKernels>(
         }
         let grad = || tensor::<B>(g.clone(), &shape, FloatDType::F32, device);
         let found = if skip { 1.0 } else { 0.0 };
-        let sc = || scaling::<B>(1.0, found, device);
+        // With Adam's L2 penalty, `maximize`'s negative `inv_scale` too: the gradient is
+        // negated before the penalty is added.
+        let inv = if decay == Decay::L2 { -1.0 } else { 1.0 };
+        let sc = || scaling::<B>(inv, found, device);
         let before = state_bytes::<B>(&p, &s);
         let (pk, sk) = B::adamw8bit_step(p.clone(), grad(), s.clone(), sc(), 1e-2, &c);
         let (pf, sf) = adamw8bit_step::<B>(p.clone(), grad(), s.clone(), sc(), 1e-2, &c);

@@ -13,9 +13,16 @@ fn check_sgd<B: AmpKernels>(device: &B::Device, dtype: FloatDType) {
     ];
     let tol = step_tol(dtype);
     let lr = 0.05;
-    let inv = 1.0f32 / 256.0;
     let mut rng = Rng::new(13);
-    for (momentum, dampening, weight_decay, nesterov) in configs {
+    // With momentum, also `maximize`'s negative `inv_scale` (the gradient negated before the
+    // weight decay is added).
+    let signed = configs.into_iter().flat_map(|c| {
+        [(c, 1.0f32)]
+            .into_iter()
+            .chain((c.0 != 0.0).then_some((c, -1.0)))
+    });
+    for ((momentum, dampening, weight_decay, nesterov), sign) in signed {
+        let inv = sign / 256.0;
         let c = sgd_config(momentum, dampening, weight_decay, nesterov);
         // First step skipped, and a later one. (b) There is no separate init kernel any more:
         // the velocity starts with count 0 and whatever its buffer holds (garbage here; the
@@ -35,7 +42,8 @@ fn check_sgd<B: AmpKernels>(device: &B::Device, dtype: FloatDType) {
                 let (mut kb, mut rb) = (velocity(), velocity());
                 let mut applied = 0.0f32;
                 for (i, &skip) in plan.iter().enumerate() {
-                    let what = format!("sgd {c:?} {shape:?} {dtype:?} plan {plan:?} step {i}");
+                    let what =
+                        format!("sgd {c:?} inv {inv} {shape:?} {dtype:?} plan {plan:?} step {i}");
                     let inject = if skip { Inject::All } else { Inject::Clean };
                     let g = grad_values(&mut rng, n, inject);
                     let found = if skip { 1.0 } else { 0.0 };
