@@ -12,6 +12,13 @@
 //! parameter whose path it matches whole or up to a dot, so that a module's name takes its
 //! subtree: `encoder`, `layers.0`, `**.bias`, `**.norm*`. The first group that matches a
 //! parameter sets its options; a parameter no group matches has the optimizer's.
+//!
+//! Groups apply where burn-amp's adaptor steps (what `FusedAdamWConfig::init` and
+//! `FusedSgdConfig::init` return). Inside Burn's own `OptimizerAdaptor` an optimizer is
+//! handed tensors without their paths: its groups do nothing there, and its first step says
+//! so in the log.
+
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use burn::config::Config;
 use burn::module::{Module, ModuleVisitor, Param};
@@ -33,6 +40,20 @@ pub struct ParamGroup {
     /// Hugging Face Trainer's group).
     #[config(default = "None")]
     pub weight_decay: Option<f32>,
+}
+
+/// Warns once per process that `groups` go unused: a step that came without the parameter's
+/// path (Burn's `OptimizerAdaptor`).
+pub(crate) fn warn_unplaced(groups: &[ParamGroup]) {
+    static WARNED: AtomicBool = AtomicBool::new(false);
+    if !groups.is_empty() && !WARNED.swap(true, Ordering::Relaxed) {
+        log::warn!(
+            "burn-amp: a fused optimizer with {} parameter group(s) steps inside Burn's \
+             OptimizerAdaptor, which gives no parameter paths: the groups do nothing. Use the \
+             adaptor that its config's init() returns",
+            groups.len()
+        );
+    }
 }
 
 /// Checks `groups`: each pattern well formed, each value in range.

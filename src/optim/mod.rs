@@ -147,6 +147,7 @@ macro_rules! simple_optimizer {
                 state: Option<Self::State<D>>,
             ) -> (Tensor<B, D>, Option<Self::State<D>>) {
                 let maximize = <Self as ScaledSimpleOptimizer<B>>::maximize(self);
+                super::groups::warn_unplaced(<Self as ScaledSimpleOptimizer<B>>::param_groups(self));
                 let scaling = super::unscaled::<B>(&value.device(), maximize);
                 self.step_scaled(lr, value, grad, state, scaling)
             }
