@@ -1,6 +1,7 @@
 //! The gradients' part of the precision report: each trainable parameter's gradient in the f32
 //! and the autocast run, and what the loss scale does to it.
 
+use crate::optim::groups::ModulePath;
 use burn::module::{ModuleVisitor, Param};
 use burn::optim::GradientsParams;
 use burn::prelude::*;
@@ -46,18 +47,18 @@ pub(super) struct Gradients<B: AutodiffBackend> {
     autocast: GradientsParams,
     precision: Precision,
     scale: f64,
-    path: Vec<String>,
+    path: ModulePath,
     pub(super) rows: Vec<GradientPrecision>,
     _backend: core::marker::PhantomData<B>,
 }
 
 impl<B: AutodiffBackend> ModuleVisitor<B> for Gradients<B> {
     fn enter_module(&mut self, name: &str, _container_type: &str) {
-        self.path.push(name.to_string());
+        self.path.enter(name);
     }
 
     fn exit_module(&mut self, _name: &str, _container_type: &str) {
-        self.path.pop();
+        self.path.exit();
     }
 
     fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
@@ -101,7 +102,7 @@ impl<B: AutodiffBackend> ModuleVisitor<B> for Gradients<B> {
             Suggestion::Fine
         };
         self.rows.push(GradientPrecision {
-            parameter: self.path.join("."),
+            parameter: self.path.joined(),
             shape,
             norm: reference
                 .iter()
@@ -129,7 +130,7 @@ impl<B: AutodiffBackend> Gradients<B> {
             autocast,
             precision,
             scale,
-            path: Vec::new(),
+            path: ModulePath::default(),
             rows: Vec::new(),
             _backend: core::marker::PhantomData,
         }

@@ -84,10 +84,7 @@ where
     /// would otherwise train those parameters with the optimizer's options, silently. The
     /// first step warns of each in the log.
     pub fn unmatched_groups(&self, module: &M) -> Vec<usize> {
-        let placed = self.param_groups(module);
-        (0..self.optim.param_groups().len())
-            .filter(|&index| !placed.iter().any(|(_, g)| *g == Some(index)))
-            .collect()
+        unmatched(&self.param_groups(module), self.optim.param_groups().len())
     }
 
     /// Warns once of the groups that match no parameter of `module`.
@@ -95,11 +92,11 @@ where
         if core::mem::replace(&mut self.groups_checked, true) {
             return;
         }
-        let unmatched = self.unmatched_groups(module);
-        let Some((example, _)) = self.param_groups(module).into_iter().next() else {
+        let placed = self.param_groups(module);
+        let Some((example, _)) = placed.first() else {
             return;
         };
-        for index in unmatched {
+        for index in unmatched(&placed, self.optim.param_groups().len()) {
             log::warn!(
                 "burn-amp: parameter group {index} (`{}`) matches no parameter of the module, \
                  so it sets the options of none. Paths are field names and indices joined by \
@@ -167,6 +164,13 @@ where
             path: ModulePath::default(),
         })
     }
+}
+
+/// The indices of `count` groups that no parameter of `placed` (path, group) is in.
+fn unmatched(placed: &[(String, Option<usize>)], count: usize) -> Vec<usize> {
+    (0..count)
+        .filter(|&index| !placed.iter().any(|(_, g)| *g == Some(index)))
+        .collect()
 }
 
 /// The step's signals on each device a parameter lives on.

@@ -129,7 +129,8 @@ fn glob(pattern: &str, name: &str) -> bool {
     }
 }
 
-/// The dotted path of the module the visitor or mapper is in (`enter_module` pushes a name).
+/// The dotted path of the module a visitor or mapper is in (`enter_module` pushes a name):
+/// the parameter groups' paths, and the doctor's.
 #[derive(Debug, Default)]
 pub(crate) struct ModulePath(Vec<String>);
 
