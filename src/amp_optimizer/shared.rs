@@ -71,13 +71,18 @@ where
     B::InnerBackend: ScalerKernels,
 {
     /// The scaler as the next backward will find it: with the update its steps left for that
-    /// backward applied (to a copy: the update itself waits), so that the scale and the
-    /// records say what the next step will use, and a record resumes where the run goes on.
+    /// backward applied, or put off while a window holds the scale (to a copy: the update
+    /// itself waits), so that the scale and the records say what the next step will use, and
+    /// a record resumes where the run goes on (an overflow put off included).
     pub fn settled(&self) -> Option<GradScaler<B>> {
         let mut scaler = self.scaler.clone()?;
-        if self.pending && !self.any_holding() {
+        if self.pending {
             // As `run`: `pending` means a step to finish.
-            let _ = scaler.update();
+            let _ = if self.any_holding() {
+                scaler.defer_update()
+            } else {
+                scaler.update()
+            };
         }
         Some(scaler)
     }

@@ -32,23 +32,25 @@
 
 mod config;
 pub mod kernels;
+mod record;
 mod step;
 
 use burn::module::{AutodiffModule, ModuleVisitor, Param};
 use burn::optim::{GradientsParams, LearningRate};
 use burn::prelude::*;
-use burn::record::Record;
+use burn::tensor::DType;
 use burn::tensor::backend::AutodiffBackend;
-use burn::tensor::{DType, TensorData};
 use thiserror::Error;
 
 pub use config::GradScalerConfig;
 pub use kernels::{ScaleRule, ScaleState, ScalerKernels};
+pub use record::GradScalerRecord;
 pub use step::{ScaleSignals, ScaledStep, StepOutcome, Unfused};
 
 use crate::Precision;
 use crate::accumulate::AccumulationError;
 use crate::grads::{GradList, f32_scalar, primitive, tensor};
+use record::state_tensor;
 
 /// Where a module is within one optimizer step.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -138,20 +140,6 @@ impl<B: Backend> StepReport<B> {
     }
 }
 
-/// The scaler's state as plain numbers, a Burn [`Record`]: save it beside the model and
-/// optimizer records, load it to continue the same scale trajectory.
-#[derive(Record, Debug, Clone, PartialEq)]
-pub struct GradScalerRecord {
-    /// The loss scale.
-    pub scale: f32,
-    /// Clean steps since the last growth or overflow.
-    pub growth_tracker: f32,
-    /// Overflows still tolerated before backing off.
-    pub hysteresis_left: f32,
-    /// Overflows in a row at the floor.
-    pub floor_overflows: f32,
-}
-
 /// One module's progress through the current step.
 #[derive(Debug, Clone)]
 struct ModuleStep<B: Backend> {
@@ -196,6 +184,7 @@ impl GradScalerConfig {
             growth_tracker: 0.0,
             hysteresis_left: self.hysteresis as f32,
             floor_overflows: 0.0,
+            deferred_found_inf: None,
         };
         Ok(GradScaler {
             config: self.clone(),
@@ -207,18 +196,6 @@ impl GradScalerConfig {
             generation: 0,
         })
     }
-}
-
-/// The f32 `[4]` state: f32 whatever the device's default float dtype (an f16 default would
-/// turn the initial scale 65536 into inf).
-fn state_tensor<B: Backend>(record: &GradScalerRecord, device: &B::Device) -> Tensor<B, 1> {
-    let values = vec![
-        record.scale,
-        record.growth_tracker,
-        record.hysteresis_left,
-        record.floor_overflows,
-    ];
-    Tensor::from_data(TensorData::new(values, [4]), (device, DType::F32))
 }
 
 /// A module's identity across steps: its first parameter's id (0 without parameters).
@@ -461,22 +438,32 @@ where
         Ok(())
     }
 
-    /// The state as a record. Reads the state from the device.
+    /// The state as a record. Reads the state from the device (and the overflow flag of an
+    /// update put off, when one was).
     pub fn record(&self) -> GradScalerRecord {
         let values = self.state.clone().into_data().to_vec::<f32>().unwrap();
+        let deferred_found_inf = self
+            .deferred
+            .as_ref()
+            .map(|flag| flag.clone().into_scalar().elem::<f32>() != 0.0);
         GradScalerRecord {
             scale: values[ScaleState::Scale as usize],
             growth_tracker: values[ScaleState::GrowthTracker as usize],
             hysteresis_left: values[ScaleState::HysteresisLeft as usize],
             floor_overflows: values[ScaleState::FloorOverflows as usize],
+            deferred_found_inf,
         }
     }
 
-    /// Restores a saved state; the next step continues the saved trajectory.
+    /// Restores a saved state; the next step continues the saved trajectory (the flags of an
+    /// update put off included: the next `update` counts them).
     pub fn load_record(mut self, record: GradScalerRecord) -> Self {
-        self.state = state_tensor(&record, &self.state.device());
+        let device = self.state.device();
+        self.state = state_tensor(&record, &device);
         self.modules.clear();
-        self.deferred = None;
+        self.deferred = record
+            .deferred_found_inf
+            .map(|found| f32_scalar(if found { 1.0 } else { 0.0 }, &device));
         self.generation += 1;
         self
     }

@@ -114,6 +114,7 @@ fn by_hand(scales: &[f32]) -> Run {
         growth_tracker: 0.0,
         hysteresis_left: config.hysteresis as f32,
         floor_overflows: 0.0,
+        deferred_found_inf: None,
     };
     let mut scalers: [GradScaler<B>; 2] =
         [(); 2].map(|()| config.init(&device, Precision::F16).unwrap());

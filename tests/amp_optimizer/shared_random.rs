@@ -4,7 +4,7 @@
 //! loop for several losses, a GAN's, and everything between). Micro-batches overflow at
 //! random; the scale grows every 2 clean updates (from 1024, up to 65536) and backs off on
 //! an overflow; the run stops and resumes from the records of all three at random blocks,
-//! windows open and updates waiting included.
+//! windows open, updates waiting and overflows whose backoff waits for a window included.
 //!
 //! Against the documented semantics written out on the host: the update waits for the first
 //! backward after a step, and while a window is open only finishes the steps (the flags wait
@@ -212,8 +212,8 @@ impl Host {
         }
     }
 
-    /// A backward: runs or defers the waiting update; the scale it multiplies by.
-    fn backward(&mut self) -> f32 {
+    /// Runs or defers the waiting update.
+    fn finish_steps(&mut self) {
         if core::mem::take(&mut self.pending) {
             if self.holding() {
                 let flags = self.flags.drain(..).chain(self.carried.take());
@@ -222,6 +222,11 @@ impl Host {
                 self.update();
             }
         }
+    }
+
+    /// A backward: runs or defers the waiting update; the scale it multiplies by.
+    fn backward(&mut self) -> f32 {
+        self.finish_steps();
         self.scale
     }
 
@@ -241,21 +246,13 @@ impl Host {
     /// The state the records save and the next backward finds (`scale()`, the records).
     fn settled(&self) -> Self {
         let mut next = self.clone();
-        if next.pending && !next.holding() {
-            next.update();
-        }
+        next.finish_steps();
         next
     }
 
-    /// Loaded from the records: the settled state, nothing waiting (a deferred overflow is
-    /// not in the record, as documented).
+    /// Loaded from the records: the settled state, the flags of an update put off included.
     fn resumed(&self) -> Self {
-        Self {
-            pending: false,
-            flags: Vec::new(),
-            carried: None,
-            ..self.settled()
-        }
+        self.settled()
     }
 }
 
@@ -324,6 +321,7 @@ fn by_hand(member: usize, window: usize, micro_batches: &[(f32, bool)]) -> (Vec<
                 growth_tracker: 0.0,
                 hysteresis_left: 1.0,
                 floor_overflows: 0.0,
+                deferred_found_inf: None,
             });
         }
         let loss = scaler.scale(loss_of(&model, member, i, poison));
@@ -341,7 +339,7 @@ fn by_hand(member: usize, window: usize, micro_batches: &[(f32, bool)]) -> (Vec<
 fn random_loops_of_optimizers_sharing_a_scale_follow_the_documented_updates() {
     let _s = serial();
     let _g = autocast(Precision::F16);
-    let (mut deferred, mut resumed_open, mut held_by_loaded) = (0, 0, 0);
+    let (mut deferred, mut resumed_open, mut held_by_loaded, mut resumed_owing) = (0, 0, 0, 0);
     for seed in 0..SCHEDULES {
         let schedule = Schedule::draw(seed);
         let want = expected(&schedule);
@@ -367,8 +365,10 @@ fn random_loops_of_optimizers_sharing_a_scale_follow_the_documented_updates() {
         let mut host = Host::new();
         // Members whose open window was loaded from a record and who have not stepped since.
         let mut loaded = [false; MEMBERS];
+        let mut poisoned = [false; MEMBERS];
         for block in &schedule.blocks {
-            for _ in &block.backwards {
+            for &(m, poison) in &block.backwards {
+                poisoned[m] = poison;
                 deferred += usize::from(host.pending && host.holding());
                 let holds = |m: usize| host.windows[m].0 > 0;
                 let by_loaded = (0..MEMBERS).any(|m| loaded[m] && holds(m));
@@ -378,22 +378,24 @@ fn random_loops_of_optimizers_sharing_a_scale_follow_the_documented_updates() {
                 host.backward();
             }
             for &m in &block.steps {
-                host.step(m, schedule.windows[m], false);
+                host.step(m, schedule.windows[m], poisoned[m]);
                 loaded[m] = false;
             }
             if block.resume_after {
                 resumed_open += usize::from(host.holding());
                 host = host.resumed();
+                resumed_owing += usize::from(host.carried == Some(true));
                 loaded = [true; MEMBERS];
             }
         }
     }
     eprintln!(
         "deferred updates: {deferred}, resumes with a window open: {resumed_open}, updates \
-         held by a window loaded from a record: {held_by_loaded}"
+         held by a window loaded from a record: {held_by_loaded}, resumes owing a backoff: \
+         {resumed_owing}"
     );
     assert!(
-        deferred >= 20 && resumed_open >= 5 && held_by_loaded >= 5,
-        "{deferred}, {resumed_open}, {held_by_loaded}"
+        deferred >= 20 && resumed_open >= 5 && held_by_loaded >= 5 && resumed_owing >= 5,
+        "{deferred}, {resumed_open}, {held_by_loaded}, {resumed_owing}"
     );
 }
