@@ -16,11 +16,13 @@ mod report;
 use std::time::Instant;
 
 use burn::backend::{Autodiff, Flex};
+use burn::module::AutodiffModule;
 use burn::optim::{GradientsParams, Optimizer};
 use burn::prelude::*;
+use burn::tensor::backend::AutodiffBackend;
 use burn_amp::memory::{CountingAlloc, MemoryReport, StepMemory};
 use burn_amp::optim::{FusedAdamWConfig, MomentStorage, QuantMap, WeightRounding};
-use burn_amp::{Amp, MemorySaving, Precision, autocast};
+use burn_amp::{Amp, EmaConfig, MemorySaving, ModelEma, Precision, autocast};
 use burn_std::FloatDType;
 use common::tiny_lm::{ReversalTask, TinyLm, TinyLmConfig};
 
@@ -28,6 +30,7 @@ use common::tiny_lm::{ReversalTask, TinyLm, TinyLmConfig};
 static ALLOC: CountingAlloc = CountingAlloc::new();
 
 type B = Amp<Autodiff<Flex>>;
+type Inner = <B as AutodiffBackend>::InnerBackend;
 
 /// One way to store the step's state.
 #[derive(Clone, Copy)]
@@ -37,6 +40,8 @@ struct Variant {
     weights: FloatDType,
     rounding: WeightRounding,
     amsgrad: bool,
+    /// A weight average (`ModelEma`, warmup on) of this decay, updated after every step.
+    ema: Option<f64>,
 }
 
 const F32: FloatDType = FloatDType::F32;
@@ -55,6 +60,7 @@ fn variants() -> Vec<Variant> {
         weights,
         rounding,
         amsgrad: false,
+        ema: None,
     };
     use WeightRounding::{Nearest, Stochastic};
     vec![
@@ -72,6 +78,19 @@ fn variants() -> Vec<Variant> {
             Stochastic,
         ),
         v("8-bit + bf16 weights, nearest", int8, BF16, Nearest),
+        Variant {
+            ema: Some(0.99),
+            ..v("f32 AdamW + EMA 0.99", MomentStorage::F32, F32, Nearest)
+        },
+        Variant {
+            ema: Some(0.99),
+            ..v(
+                "MemorySaving + EMA 0.99 (f32 average)",
+                int8,
+                BF16,
+                Stochastic,
+            )
+        },
         v(
             "f32 AdamW + bf16 weights, nearest",
             MomentStorage::F32,
@@ -87,6 +106,8 @@ struct Row {
     first_loss: f32,
     final_loss: f32,
     ms_per_step: f64,
+    /// Loss on a held-out batch of the model, and of its average (with `ema`).
+    held_out: (f32, Option<f32>),
 }
 
 fn train(variant: Variant, config: &TinyLmConfig, steps: usize, batch: usize, lr: f64) -> Row {
@@ -110,6 +131,10 @@ fn train(variant: Variant, config: &TinyLmConfig, steps: usize, batch: usize, lr
         );
     let mut model = preset.prepare(config.init::<B>(&device));
     let mut optim = preset.optimizer::<B, TinyLm<B>>().expect("a valid config");
+    let ema_config = |decay| EmaConfig::new().with_decay(decay).with_warmup(true);
+    let mut ema = variant
+        .ema
+        .map(|decay| ModelEma::<B, _>::new(&model, ema_config(decay)).expect("a valid decay"));
     let mut task = ReversalTask::new(config.vocab, config.seq_len, 5);
     let mut losses = Vec::with_capacity(steps);
     let mut report = MemoryReport::default();
@@ -130,6 +155,9 @@ fn train(variant: Variant, config: &TinyLmConfig, steps: usize, batch: usize, lr
             report = m.report::<B, _>(&model, Some(&grads), optim.state_bytes(&model));
         }
         model = optim.step(lr, model, grads);
+        if let Some(ema) = ema.as_mut() {
+            ema.update(&model).expect("the same model");
+        }
         if let Some(mut m) = memory {
             m.after::<B>(&device);
             report.peak_in_use = m.report::<B, _>(&model, None, 0).peak_in_use;
@@ -139,12 +167,19 @@ fn train(variant: Variant, config: &TinyLmConfig, steps: usize, batch: usize, lr
         }
     }
     let tail = &losses[steps - steps.min(20)..];
+    let (x, y) = ReversalTask::new(config.vocab, config.seq_len, 99).batch::<Inner>(256, &device);
+    let loss_of = |m: &TinyLm<Inner>| m.loss(x.clone(), y.clone()).into_scalar().elem::<f32>();
+    let held_out = (
+        loss_of(&model.valid()),
+        ema.as_ref().map(|ema| loss_of(ema.module())),
+    );
     Row {
         variant,
         report,
         first_loss: losses[0],
         final_loss: tail.iter().sum::<f32>() / tail.len() as f32,
         ms_per_step: common::median(timed).as_secs_f64() * 1e3,
+        held_out,
     }
 }
 
@@ -314,29 +349,34 @@ fn main() {
             config.d_model, config.d_ff, config.seq_len, config.n_layers
         );
         println!(
-            "| variant | bytes / param | optimizer state | peak of a step | loss first → last 20 | final / f32 | time / f32 |"
+            "| variant | bytes / param | optimizer state | peak of a step | loss first → last 20 | final / f32 | time / f32 | held-out loss (average) |"
         );
-        println!("|---|---|---|---|---|---|---|");
+        println!("|---|---|---|---|---|---|---|---|");
         for r in &rows {
             let bpp = r.report.bytes_per_parameter().unwrap_or(f64::NAN);
             let peak = r.report.peak_in_use.unwrap_or(0);
             println!(
-                "| {} | {bpp:.2} | {:.3} MiB | {:.2} MiB | {:.3} → {:.3} | {:.3} | {:.2} |",
+                "| {} | {bpp:.2}{} | {:.3} MiB | {:.2} MiB | {:.3} → {:.3} | {:.3} | {:.2} | {:.4}{} |",
                 r.variant.name,
+                if r.variant.ema.is_some() { " + 4" } else { "" },
                 common::mib(r.report.optimizer_state),
                 common::mib(peak),
                 r.first_loss,
                 r.final_loss,
                 r.final_loss / base.final_loss,
                 r.ms_per_step / base.ms_per_step,
+                r.held_out.0,
+                r.held_out.1.map_or(String::new(), |l| format!(" ({l:.4})")),
             );
             json.push(format!(
-                "{{\"variant\":\"{}\",\"bytes_per_param\":{bpp:.4},\"optimizer_state\":{},\"peak\":{peak},\"final_loss\":{:.5},\"loss_ratio\":{:.4},\"time_ratio\":{:.4}}}",
+                "{{\"variant\":\"{}\",\"bytes_per_param\":{bpp:.4},\"optimizer_state\":{},\"peak\":{peak},\"final_loss\":{:.5},\"loss_ratio\":{:.4},\"time_ratio\":{:.4},\"held_out\":{:.5},\"held_out_average\":{}}}",
                 r.variant.name,
                 r.report.optimizer_state,
                 r.final_loss,
                 r.final_loss / base.final_loss,
-                r.ms_per_step / base.ms_per_step
+                r.ms_per_step / base.ms_per_step,
+                r.held_out.0,
+                r.held_out.1.map_or("null".into(), |l| format!("{l:.5}")),
             ));
         }
     }

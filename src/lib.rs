@@ -39,6 +39,7 @@ pub mod amp_optimizer;
 pub mod backend;
 pub mod custom_op;
 pub mod doctor;
+pub mod ema;
 pub mod error;
 pub mod frozen;
 pub mod grads;
@@ -53,6 +54,7 @@ pub use accumulate::{GradientAccumulation, GradientAccumulationConfig, Reduction
 pub use amp_optimizer::{AmpOptimizer, AmpOptimizerError};
 pub use backend::{Amp, host_reads};
 pub use doctor::{PrecisionReport, detect_anomaly, detect_nan};
+pub use ema::{EmaConfig, ModelEma};
 pub use error::AmpError;
 pub use frozen::{Frozen, freeze};
 pub use kernels::AmpKernels;

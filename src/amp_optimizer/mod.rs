@@ -148,6 +148,8 @@ where
     loaded_skipped: u64,
     /// The overflow flag of the last step, when it checked one.
     last_found_inf: Option<Tensor<B::InnerBackend, 1>>,
+    /// Whether the last call took (or skipped) an optimizer step, not only accumulated.
+    last_step_taken: bool,
     installation: Option<Arc<Installation>>,
     monitor: ScalerMonitor,
 }
@@ -199,6 +201,7 @@ where
             skipped: None,
             loaded_skipped: 0,
             last_found_inf: None,
+            last_step_taken: false,
             installation,
             monitor,
         })
@@ -259,6 +262,14 @@ where
     /// micro-step inside an accumulation window).
     pub fn last_found_inf(&self) -> Option<Tensor<B::InnerBackend, 1>> {
         self.last_found_inf.clone()
+    }
+
+    /// Whether the last [`try_step`](Self::try_step) took an optimizer step (or skipped one on
+    /// an overflow: [`last_found_inf`](Self::last_found_inf) says which), rather than only
+    /// adding the gradients to an accumulation window. What a weight average reads
+    /// ([`ModelEma::update_after`](crate::ModelEma::update_after)).
+    pub fn last_step_taken(&self) -> bool {
+        self.last_step_taken
     }
 
     /// Restores the scaler's state (the scale trajectory continues from it); the wrapped
@@ -340,6 +351,7 @@ where
             skipped: None,
             loaded_skipped: 0,
             last_found_inf: None,
+            last_step_taken: false,
             installation: self.installation.clone(),
             monitor: ScalerMonitor::default(),
         }
@@ -356,12 +368,14 @@ where
         M: AutodiffModule<B>,
         O: ScaledStep<M, B>,
     {
+        self.last_step_taken = false;
         // The device of the module's first parameter: where the scaler lives.
         let Some(device) = module.devices().into_iter().next() else {
             return Ok(module);
         };
         self.monitor.sample(SamplePoint::StepStart, &device);
         let (module, stepped, figures) = self.step_on(&device, lr, module, grads)?;
+        self.last_step_taken = stepped;
         self.monitor.sample(SamplePoint::StepEnd, &device);
         self.monitor.record(stepped, figures);
         crate::doctor::step_boundary();

@@ -9,6 +9,7 @@
 
 #[path = "../common/mod.rs"]
 mod common;
+mod ema;
 mod from_burn;
 mod maximize;
 mod param_groups;

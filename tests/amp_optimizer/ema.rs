@@ -1,0 +1,319 @@
+//! `ModelEma`: the average against an f64 reference of the same updates (plain, warmup, bf16
+//! weights), the steps an `AmpOptimizer` did not take passed over (a micro-step of an
+//! accumulation window, a step skipped on an overflow) with no host read, tensors that are
+//! not trained taken as they are, a record resuming bitwise, and misuse as typed errors with
+//! nothing changed.
+
+use burn::module::{Module, ModuleMapper, Param};
+use burn::nn::{Linear, LinearConfig};
+use burn_amp::ema::{EmaConfig, EmaError, ModelEma};
+use burn_amp::optim::FusedAdamWConfig;
+use burn_amp::{Frozen, freeze};
+
+use super::*;
+
+/// `ema ← ema + (1 − d_n)(w − ema)` over `weights` (the first is the start), in f64.
+fn reference(weights: &[Vec<f32>], decay: f64, warmup: bool) -> Vec<f64> {
+    let mut ema: Vec<f64> = weights[0].iter().map(|&w| w as f64).collect();
+    for (n, w) in weights[1..].iter().enumerate() {
+        // The decay as the device computes it: f32.
+        let d = if warmup {
+            ((1.0 + n as f32) / (10.0 + n as f32)).min(decay as f32)
+        } else {
+            decay as f32
+        };
+        let rate = (1.0 - d) as f64;
+        for (e, &w) in ema.iter_mut().zip(w) {
+            *e += rate * (w as f64 - *e);
+        }
+    }
+    ema
+}
+
+fn largest_error(got: &[f32], want: &[f64]) -> f64 {
+    assert_eq!(got.len(), want.len());
+    got.iter()
+        .zip(want)
+        .fold(0.0, |m, (&g, &w)| m.max((g as f64 - w).abs()))
+}
+
+/// Every float parameter moved to `w0 + t · 0.01 · sin(i)`, as a training run would move it.
+struct Moved {
+    t: f32,
+    index: usize,
+}
+
+impl<B2: Backend> ModuleMapper<B2> for Moved {
+    fn map_float<const D: usize>(&mut self, param: Param<Tensor<B2, D>>) -> Param<Tensor<B2, D>> {
+        let (id, value, mapper) = param.consume();
+        let (dtype, device, shape) = (value.dtype(), value.device(), value.shape());
+        let trained = value.is_require_grad();
+        let values = value
+            .cast(FloatDType::F32)
+            .into_data()
+            .to_vec::<f32>()
+            .unwrap();
+        let moved: Vec<f32> = values
+            .iter()
+            .enumerate()
+            .map(|(i, v)| v + self.t * 0.01 * ((i + 31 * self.index) as f32).sin())
+            .collect();
+        self.index += 1;
+        let moved = Tensor::<B2, D>::from_data(TensorData::new(moved, shape), &device).cast(dtype);
+        let moved = if trained { moved.require_grad() } else { moved };
+        Param::from_mapped_value(id, moved, mapper)
+    }
+}
+
+fn moved<M: Module<B>>(module: M, t: usize) -> M {
+    module.map(&mut Moved {
+        t: t as f32,
+        index: 0,
+    })
+}
+
+/// Casts every float parameter (a model trained in bf16 storage).
+struct Cast(FloatDType);
+
+impl<B2: Backend> ModuleMapper<B2> for Cast {
+    fn map_float<const D: usize>(&mut self, param: Param<Tensor<B2, D>>) -> Param<Tensor<B2, D>> {
+        let (id, value, mapper) = param.consume();
+        let device = value.device();
+        let data = value.into_data();
+        let value = Tensor::from_data(data, (&device, DType::from(self.0))).require_grad();
+        Param::from_mapped_value(id, value, mapper)
+    }
+}
+
+/// The average of `steps` moves of `start`, and the weights it saw (the start first).
+fn averaged(start: Mlp<B>, config: EmaConfig, steps: usize) -> (Vec<f32>, Vec<Vec<f32>>, u64) {
+    let mut ema = ModelEma::new(&start, config).unwrap();
+    let mut seen = vec![params(&start)];
+    for t in 1..=steps {
+        let m = moved(start.clone(), t);
+        ema.update(&m).unwrap();
+        seen.push(params(&m));
+    }
+    (params(ema.module()), seen, ema.updates())
+}
+
+#[test]
+fn the_average_follows_an_f64_reference() {
+    let _s = serial();
+    let device = Default::default();
+    for (decay, warmup) in [(0.9, false), (0.99, true), (0.0, false)] {
+        let config = EmaConfig::new().with_decay(decay).with_warmup(warmup);
+        let (got, seen, updates) = averaged(model(&device), config, 30);
+        assert_eq!(updates, 30);
+        let want = reference(&seen, decay, warmup);
+        let err = largest_error(&got, &want);
+        // 30 f32 updates of values below 1: a few ulps each.
+        assert!(err < 2e-6, "decay {decay}, warmup {warmup}: off by {err}");
+        // It moved: not the start, not the last weights (but at decay 0, the last).
+        let last = seen.last().unwrap();
+        let to_last = largest_error(last, &want);
+        if decay == 0.0 {
+            assert_eq!(&got, last, "decay 0 is the weights");
+        } else {
+            assert!(to_last > 1e-3, "decay {decay}: the average is the weights");
+        }
+    }
+}
+
+/// bf16 weights averaged in f32 follow the reference; the same average kept in bf16 never
+/// leaves the start (each update is below half an ulp of it).
+#[test]
+fn a_bf16_model_is_averaged_in_f32() {
+    let _s = serial();
+    let device = Default::default();
+    let start = model(&device).map(&mut Cast(FloatDType::BF16));
+    let config = EmaConfig::new().with_decay(0.999);
+    let (got, seen, _) = averaged(start.clone(), config.clone(), 60);
+    let ema = ModelEma::new(&start, config).unwrap();
+    assert_eq!(ema.module().l1.weight.val().dtype(), DType::F32);
+    let want = reference(&seen, 0.999, false);
+    let err = largest_error(&got, &want);
+    assert!(err < 1e-6, "off by {err}");
+    let from_start = largest_error(&seen[0], &want);
+    assert!(
+        from_start > 5e-3,
+        "the reference moved {from_start}: too little to tell"
+    );
+
+    // The canary: the same updates in bf16.
+    let mut in_bf16: Vec<Tensor<Inner, 2>> = vec![start.l1.weight.val().inner()];
+    for t in 1..=60 {
+        let w = moved(start.clone(), t).l1.weight.val().inner();
+        let e = in_bf16.pop().unwrap();
+        in_bf16.push(e.clone() + (w - e) * 0.001);
+    }
+    let stalled = in_bf16.pop().unwrap();
+    assert_eq!(stalled.dtype(), DType::BF16);
+    let stalled = stalled
+        .cast(FloatDType::F32)
+        .into_data()
+        .to_vec::<f32>()
+        .unwrap();
+    let first = start.l1.weight.val().cast(FloatDType::F32);
+    let first = first.into_data().to_vec::<f32>().unwrap();
+    let n = first.len();
+    let unmoved = stalled.iter().zip(&first).filter(|(a, b)| a == b).count();
+    let bf16_err = largest_error(&stalled, &want[..n]);
+    let travelled = largest_error(&first, &want[..n]);
+    eprintln!(
+        "bf16 average: {unmoved} of {n} never moved, off by {bf16_err} of {travelled} \
+         travelled; f32: off by {err}"
+    );
+    assert!(
+        unmoved * 2 > n && bf16_err > travelled / 4.0,
+        "the bf16 average kept up ({unmoved} of {n} unmoved, off by {bf16_err}): the canary \
+         no longer shows why f32"
+    );
+}
+
+#[derive(Module, Debug)]
+struct HalfFrozen<B: Backend> {
+    backbone: Frozen<Linear<B>>,
+    head: Linear<B>,
+}
+
+/// Tensors that are not trained are the model's, in their dtype, at each update.
+#[test]
+fn tensors_not_trained_are_taken_as_they_are() {
+    let _s = serial();
+    let device = Default::default();
+    B::seed(&device, 9);
+    let start = HalfFrozen::<B> {
+        backbone: freeze(LinearConfig::new(8, 8).init(&device)).with_storage(FloatDType::BF16),
+        head: LinearConfig::new(8, 4).init(&device),
+    };
+    let mut ema: ModelEma<B, _> = ModelEma::new(&start, EmaConfig::new().with_decay(0.5)).unwrap();
+    let backbone = ema.module().backbone.weight.val();
+    assert_eq!(
+        backbone.dtype(),
+        DType::BF16,
+        "a frozen bf16 tensor widened"
+    );
+    // The model's frozen tensor replaced (as a loaded checkpoint would): taken, not averaged.
+    let replaced = HalfFrozen {
+        backbone: moved(start.backbone.clone(), 7),
+        head: start.head.clone(),
+    };
+    ema.update(&replaced).unwrap();
+    assert_eq!(
+        params(&ema.module().backbone),
+        params(&replaced.backbone),
+        "the frozen tensor was averaged"
+    );
+    assert_eq!(params(&ema.module().head), params(&start.head));
+}
+
+type Window = GradientAccumulation<super::shared_scaler::Fused, B>;
+
+/// An `AmpOptimizer` around a window of 2 at f16, micro-batch 5 poisoned: the average takes
+/// the steps at micro-batches 1, 3 and 7, not the window that overflowed, with no host read.
+#[test]
+fn steps_not_taken_are_not_averaged() {
+    let _s = serial();
+    let _g = autocast(Precision::F16);
+    let device = Default::default();
+    let fused = FusedAdamWConfig::new().init::<B, Mlp<B>>().unwrap();
+    let window: Window = GradientAccumulation::new(fused, 2).unwrap();
+    let mut optim = AmpOptimizer::new(window, GradScalerConfig::new()).unwrap();
+    let mut m = model(&device);
+    let config = EmaConfig::new().with_decay(0.8).with_warmup(true);
+    let mut ema = ModelEma::new(&m, config).unwrap();
+    let mut taken = vec![params(&m)];
+    let mut reads = 0;
+    for i in 0..8 {
+        m = step(m, &mut optim, i, i == 5);
+        let before = host_reads();
+        ema.update_after(&m, &optim).unwrap();
+        reads += host_reads() - before;
+        assert_eq!(optim.last_step_taken(), i % 2 == 1, "micro-batch {i}");
+        if i % 2 == 1 && i != 5 {
+            taken.push(params(&m));
+        }
+    }
+    assert_eq!(reads, 0, "host reads in update_after");
+    assert_eq!(ema.updates(), 3, "updates counted");
+    let err = largest_error(&params(ema.module()), &reference(&taken, 0.8, true));
+    assert!(err < 1e-6, "off by {err}");
+}
+
+#[test]
+fn a_record_resumes_the_average_bitwise() {
+    let _s = serial();
+    let device = Default::default();
+    let config = EmaConfig::new().with_decay(0.95).with_warmup(true);
+    let start = model(&device);
+    let run = |ema: &mut ModelEma<B, Mlp<B>>, steps: core::ops::Range<usize>| {
+        for t in steps {
+            ema.update(&moved(start.clone(), t)).unwrap();
+        }
+    };
+    let mut whole = ModelEma::new(&start, config.clone()).unwrap();
+    run(&mut whole, 1..5);
+    let saved = common::save::<Inner, _>(whole.to_record());
+    run(&mut whole, 5..12);
+    let mut resumed = ModelEma::new(&model(&device), config)
+        .unwrap()
+        .load_record(common::load::<Inner, _>(saved, &device));
+    assert_eq!(resumed.updates(), 4);
+    run(&mut resumed, 5..12);
+    let bits = |ema: &ModelEma<B, Mlp<B>>| -> Vec<u32> {
+        params(ema.module()).into_iter().map(f32::to_bits).collect()
+    };
+    assert_eq!(bits(&resumed), bits(&whole));
+    assert_eq!(resumed.updates(), 11);
+}
+
+#[test]
+fn misuse_is_a_typed_error_and_changes_nothing() {
+    let _s = serial();
+    let device = Default::default();
+    let m = model(&device);
+    for decay in [1.0, -0.1, f64::NAN] {
+        let err = ModelEma::new(&m, EmaConfig::new().with_decay(decay)).unwrap_err();
+        assert!(matches!(err, EmaError::InvalidDecay(_)), "{decay}: {err}");
+    }
+    let mut ema = ModelEma::new(&m, EmaConfig::new().with_decay(0.5)).unwrap();
+    let before = params(ema.module());
+    let wider = Mlp::<B>::new(D_IN, 32, CLASSES, &device);
+    let err = ema.update(&wider).unwrap_err();
+    assert_eq!(
+        err,
+        EmaError::ModelMismatch {
+            index: 0,
+            expected: vec![D_IN, 16],
+            found: vec![D_IN, 32],
+            count: 4,
+        }
+    );
+    assert!(
+        err.to_string().contains("the model it was made from"),
+        "{err}"
+    );
+    assert_eq!(params(ema.module()), before, "an update half applied");
+    assert_eq!(ema.updates(), 0);
+}
+
+/// Found writing these tests: Burn 0.21's `#[derive(Module)]` takes a struct whose backend
+/// parameter is not named `B` for a module without parameters (as it takes a constant), and
+/// says nothing: its visit and map skip every field, so an optimizer, a record or an average
+/// would see no tensor. A canary: it fails once Burn sees the fields.
+#[derive(Module, Debug, Clone)]
+struct OtherName<B2: Backend> {
+    head: Linear<B2>,
+}
+
+#[test]
+fn burn_derive_module_sees_no_parameter_under_another_backend_name() {
+    let device = Default::default();
+    let named_b = LinearConfig::new(8, 4).init::<B>(&device);
+    let other = OtherName {
+        head: named_b.clone(),
+    };
+    assert_eq!(params(&named_b).len(), 36);
+    assert_eq!(params::<B, _>(&other).len(), 0, "Burn's derive now sees the fields");
+}
