@@ -78,12 +78,17 @@ pub enum EmaError {
 #[derive(Debug, Clone)]
 pub struct ModelEma<B: AutodiffBackend, M: AutodiffModule<B>> {
     config: EmaConfig,
-    /// The average: `M`'s inner module, its trained tensors in f32.
-    module: M::InnerModule,
+    /// The average: `M`'s inner module, its trained tensors in f32. Taken out during an
+    /// update, so that each tensor is its only owner and the update frees it as it goes (a
+    /// clone held meanwhile would keep a second average alive until the end).
+    module: Option<M::InnerModule>,
     /// Updates averaged so far, f32 `[1]` on the first tensor's device (a skipped step leaves
     /// it on the device, without a read).
     updates: Option<Tensor<B::InnerBackend, 1>>,
 }
+
+/// Only a panic inside an update (a backend's) leaves the average taken out.
+const LOST: &str = "burn-amp: the weight average was lost to a panic during an update";
 
 /// What a [`ModelEma`] saves: the average's record and the count of updates (exact, f32).
 pub type ModelEmaRecord<B, M> = (
@@ -106,7 +111,7 @@ impl<B: AutodiffBackend, M: AutodiffModule<B>> ModelEma<B, M> {
         let updates = trained.zero;
         Ok(Self {
             config,
-            module,
+            module: Some(module),
             updates,
         })
     }
@@ -119,12 +124,12 @@ impl<B: AutodiffBackend, M: AutodiffModule<B>> ModelEma<B, M> {
     /// The average, for evaluation: `M`'s inner module with its trained tensors in f32 (an
     /// `Amp` backend lowers them under autocast as it does the model's).
     pub fn module(&self) -> &M::InnerModule {
-        &self.module
+        self.module.as_ref().expect(LOST)
     }
 
     /// The average, taken out.
     pub fn into_module(self) -> M::InnerModule {
-        self.module
+        self.module.expect(LOST)
     }
 
     /// Updates averaged so far. Reads one value from the device.
@@ -138,7 +143,7 @@ impl<B: AutodiffBackend, M: AutodiffModule<B>> ModelEma<B, M> {
     /// [`AmpOptimizer`], [`update_after`](Self::update_after) passes over the steps that were
     /// not taken.
     pub fn update(&mut self, model: &M) -> Result<(), EmaError> {
-        self.average(model, None)
+        self.update_unless(model, None)
     }
 
     /// Averages `model`'s weights in if `optim`'s last call took an optimizer step: nothing
@@ -151,12 +156,15 @@ impl<B: AutodiffBackend, M: AutodiffModule<B>> ModelEma<B, M> {
         if !optim.last_step_taken() {
             return Ok(());
         }
-        self.average(model, optim.last_found_inf())
+        self.update_unless(model, optim.last_found_inf())
     }
 
-    /// `ema += (w − ema) · (1 − decay_n) · (1 − found_inf)`; the count raised by
-    /// `1 − found_inf`. Checked whole before anything changes.
-    fn average(
+    /// Averages `model`'s weights in unless `found_inf` (f32 `[1]`, 0 or 1, on the device) is
+    /// 1: `ema += (w − ema) · (1 − decay_n) · (1 − found_inf)`, the count raised by
+    /// `1 − found_inf`, no read. For a loop with a [`GradScaler`](crate::scaler::GradScaler)
+    /// by hand: `report.found_inf()` of its step (and no call after a step that only
+    /// accumulated, `report.accumulated()`). Checked whole before anything changes.
+    pub fn update_unless(
         &mut self,
         model: &M,
         found_inf: Option<Tensor<B::InnerBackend, 1>>,
@@ -185,14 +193,15 @@ impl<B: AutodiffBackend, M: AutodiffModule<B>> ModelEma<B, M> {
             rate,
             index: 0,
         };
-        self.module = self.module.clone().map(&mut average);
+        let module = self.module.take().expect(LOST);
+        self.module = Some(module.map(&mut average));
         Ok(())
     }
 
     /// The model's float tensors against the average's, shape by shape.
     fn check_shapes(&self, model: &[TrainedTensor<B::InnerBackend>]) -> Result<(), EmaError> {
         let mut shapes = Shapes(Vec::new());
-        self.module.visit(&mut shapes);
+        self.module().visit(&mut shapes);
         let count = shapes.0.len();
         let shape_of = |t: &TrainedTensor<B::InnerBackend>| t.shape.clone();
         for index in 0..count.max(model.len()) {
@@ -213,14 +222,14 @@ impl<B: AutodiffBackend, M: AutodiffModule<B>> ModelEma<B, M> {
     /// The average's state as a record.
     pub fn to_record(&self) -> ModelEmaRecord<B, M> {
         (
-            self.module.clone().into_record(),
+            self.module().clone().into_record(),
             self.updates.clone().map(ExactTensor),
         )
     }
 
     /// Loads a saved average and its count.
     pub fn load_record(mut self, (module, updates): ModelEmaRecord<B, M>) -> Self {
-        self.module = self.module.load_record(module);
+        self.module = Some(self.module.take().expect(LOST).load_record(module));
         if let (Some(current), Some(loaded)) = (&self.updates, updates) {
             self.updates = Some(loaded.to_device(&current.device()).into_tensor());
         }
@@ -311,8 +320,16 @@ impl<B: Backend> ModuleMapper<B> for Average<'_, B> {
         let (id, average, mapper) = param.consume();
         let weights = tensor::<B, D>(w.tensor.clone());
         let value = if w.trained {
-            let rate = self.rate.clone().reshape([1; D]);
-            average.clone() + (weights.cast(FloatDType::F32) - average) * rate
+            // On the tensor's device (a model over several devices); the difference first,
+            // so that the average is unique when it is added to (in place where the backend
+            // can).
+            let rate = self
+                .rate
+                .clone()
+                .to_device(&average.device())
+                .reshape([1; D]);
+            let step = (weights.cast(FloatDType::F32) - average.clone()) * rate;
+            average + step
         } else {
             weights
         };

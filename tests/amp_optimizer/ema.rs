@@ -8,6 +8,7 @@ use burn::module::{Module, ModuleMapper, Param};
 use burn::nn::{Linear, LinearConfig};
 use burn_amp::ema::{EmaConfig, EmaError, ModelEma};
 use burn_amp::optim::FusedAdamWConfig;
+use burn_amp::scaler::GradScaler;
 use burn_amp::{Frozen, freeze};
 
 use super::*;
@@ -241,6 +242,37 @@ fn steps_not_taken_are_not_averaged() {
     assert!(err < 1e-6, "off by {err}");
 }
 
+/// A loop with a `GradScaler` by hand: `update_unless(report.found_inf())` passes over the
+/// step skipped at 2.
+#[test]
+fn a_hand_loop_passes_its_overflow_flag() {
+    let _s = serial();
+    let _g = autocast(Precision::F16);
+    let device = Default::default();
+    let mut scaler: GradScaler<B> = GradScalerConfig::new()
+        .init(&device, Precision::F16)
+        .unwrap();
+    let mut optim = super::shared_scaler::fused();
+    let mut m = model(&device);
+    let mut ema = ModelEma::new(&m, EmaConfig::new().with_decay(0.7)).unwrap();
+    let mut taken = vec![params(&m)];
+    for i in 0..5 {
+        let (x, y) = batch(i, i == 2, &device);
+        let loss = scaler.scale(m.loss(x, y));
+        let grads = GradientsParams::from_grads(loss.backward(), &m);
+        let (stepped, report) = scaler.step(&mut optim, 1e-2, m, grads).unwrap();
+        m = stepped;
+        scaler.update().unwrap();
+        ema.update_unless(&m, report.found_inf()).unwrap();
+        if i != 2 {
+            taken.push(params(&m));
+        }
+    }
+    assert_eq!(ema.updates(), 4);
+    let err = largest_error(&params(ema.module()), &reference(&taken, 0.7, false));
+    assert!(err < 1e-6, "off by {err}");
+}
+
 #[test]
 fn a_record_resumes_the_average_bitwise() {
     let _s = serial();
@@ -315,5 +347,9 @@ fn burn_derive_module_sees_no_parameter_under_another_backend_name() {
         head: named_b.clone(),
     };
     assert_eq!(params(&named_b).len(), 36);
-    assert_eq!(params::<B, _>(&other).len(), 0, "Burn's derive now sees the fields");
+    assert_eq!(
+        params::<B, _>(&other).len(),
+        0,
+        "Burn's derive now sees the fields"
+    );
 }
