@@ -304,3 +304,57 @@ fn a_recurrent_layer_keeps_one_half_copy_of_its_weights() {
     assert_cache_saves(per_use, cached);
     assert!(per_use > 2 * cached, "per use {per_use}, cached {cached}");
 }
+
+/// A weight average's update replaces it tensor by tensor: at its peak it holds the average
+/// and a few temporaries of one tensor, not a second average (a clone of the module kept
+/// during the update would hold both until the end).
+#[test]
+fn an_ema_update_holds_one_average() {
+    use burn::module::{ModuleMapper, Param};
+    use burn_amp::{EmaConfig, ModelEma};
+    type A = Autodiff<Flex>;
+
+    /// Every weight plus 0.01, as an optimizer step makes new tensors.
+    struct Step;
+    impl ModuleMapper<A> for Step {
+        fn map_float<const D: usize>(&mut self, param: Param<Tensor<A, D>>) -> Param<Tensor<A, D>> {
+            let (id, value, mapper) = param.consume();
+            let value = Tensor::from_inner(value.inner() + 0.01).require_grad();
+            Param::from_mapped_value(id, value, mapper)
+        }
+    }
+
+    let _s = serial();
+    let device = Default::default();
+    let layers = 8;
+    let mut model: Vec<Linear<A>> = (0..layers)
+        .map(|_| LinearConfig::new(256, 256).with_bias(false).init(&device))
+        .collect();
+    let tensor_bytes = 256 * 256 * 4;
+    let mut ema = ModelEma::<A, _>::new(&model, EmaConfig::new().with_decay(0.9)).unwrap();
+    // Two updates first: the average owns its tensors (at first it shares the model's).
+    for _ in 0..2 {
+        model = model.map(&mut Step);
+        ema.update(&model).unwrap();
+    }
+    model = model.map(&mut Step);
+    let before = CountingAlloc::bytes_in_use().unwrap();
+    CountingAlloc::reset_peak();
+    ema.update(&model).unwrap();
+    let peak = CountingAlloc::peak().unwrap() - before;
+    let after = CountingAlloc::bytes_in_use().unwrap() as i64 - before as i64;
+    eprintln!(
+        "EMA update of {layers} tensors of {tensor_bytes} B: peak {peak} B above the step's start, \
+         {after} B left"
+    );
+    assert!(
+        peak < 4 * tensor_bytes,
+        "the update's peak {peak} B holds more than one tensor's temporaries ({tensor_bytes} B \
+         each; the average is {} B)",
+        layers * tensor_bytes
+    );
+    assert!(
+        after.unsigned_abs() < tensor_bytes as u64 / 8,
+        "{after} B left behind"
+    );
+}
