@@ -354,7 +354,7 @@ fn an_ema_update_holds_one_average() {
         layers * tensor_bytes
     );
     assert!(
-        after.unsigned_abs() < tensor_bytes as u64 / 8,
+        after.unsigned_abs() < tensor_bytes / 8,
         "{after} B left behind"
     );
 }
