@@ -22,6 +22,7 @@
 mod common;
 
 mod composition;
+mod ema;
 mod quantize;
 mod rounding;
 mod training;
