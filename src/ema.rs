@@ -203,21 +203,18 @@ impl<B: AutodiffBackend, M: AutodiffModule<B>> ModelEma<B, M> {
     fn check_shapes(&self, model: &[TrainedTensor<B::InnerBackend>]) -> Result<(), EmaError> {
         let mut shapes = Shapes(Vec::new());
         self.module().visit(&mut shapes);
-        let count = shapes.0.len();
-        let shape_of = |t: &TrainedTensor<B::InnerBackend>| t.shape.clone();
-        for index in 0..count.max(model.len()) {
-            let expected = shapes.0.get(index).cloned().unwrap_or_default();
-            let found = model.get(index).map(shape_of).unwrap_or_default();
-            if index >= count || index >= model.len() || expected != found {
-                return Err(EmaError::ModelMismatch {
-                    index,
-                    expected,
-                    found,
-                    count,
-                });
-            }
+        let ours = shapes.0;
+        let count = ours.len();
+        let theirs = |i: usize| model.get(i).map(|t| &t.shape);
+        match (0..count.max(model.len())).find(|&i| ours.get(i) != theirs(i)) {
+            None => Ok(()),
+            Some(index) => Err(EmaError::ModelMismatch {
+                index,
+                expected: ours.get(index).cloned().unwrap_or_default(),
+                found: theirs(index).cloned().unwrap_or_default(),
+                count,
+            }),
         }
-        Ok(())
     }
 
     /// The average's state as a record.

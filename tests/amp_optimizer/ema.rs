@@ -9,34 +9,10 @@ use burn::nn::{Linear, LinearConfig};
 use burn_amp::ema::{EmaConfig, EmaError, ModelEma};
 use burn_amp::optim::FusedAdamWConfig;
 use burn_amp::scaler::GradScaler;
-use burn_amp::{Frozen, freeze};
+use burn_amp::{Frozen, MemorySaving, freeze};
+use common::{ema_reference as reference, largest_error};
 
 use super::*;
-
-/// `ema ← ema + (1 − d_n)(w − ema)` over `weights` (the first is the start), in f64.
-fn reference(weights: &[Vec<f32>], decay: f64, warmup: bool) -> Vec<f64> {
-    let mut ema: Vec<f64> = weights[0].iter().map(|&w| w as f64).collect();
-    for (n, w) in weights[1..].iter().enumerate() {
-        // The decay as the device computes it: f32.
-        let d = if warmup {
-            ((1.0 + n as f32) / (10.0 + n as f32)).min(decay as f32)
-        } else {
-            decay as f32
-        };
-        let rate = (1.0 - d) as f64;
-        for (e, &w) in ema.iter_mut().zip(w) {
-            *e += rate * (w as f64 - *e);
-        }
-    }
-    ema
-}
-
-fn largest_error(got: &[f32], want: &[f64]) -> f64 {
-    assert_eq!(got.len(), want.len());
-    got.iter()
-        .zip(want)
-        .fold(0.0, |m, (&g, &w)| m.max((g as f64 - w).abs()))
-}
 
 /// Every float parameter moved to `w0 + t · 0.01 · sin(i)`, as a training run would move it.
 struct Moved {
@@ -71,19 +47,6 @@ fn moved<M: Module<B>>(module: M, t: usize) -> M {
         t: t as f32,
         index: 0,
     })
-}
-
-/// Casts every float parameter (a model trained in bf16 storage).
-struct Cast(FloatDType);
-
-impl<B2: Backend> ModuleMapper<B2> for Cast {
-    fn map_float<const D: usize>(&mut self, param: Param<Tensor<B2, D>>) -> Param<Tensor<B2, D>> {
-        let (id, value, mapper) = param.consume();
-        let device = value.device();
-        let data = value.into_data();
-        let value = Tensor::from_data(data, (&device, DType::from(self.0))).require_grad();
-        Param::from_mapped_value(id, value, mapper)
-    }
 }
 
 /// The average of `steps` moves of `start`, and the weights it saw (the start first).
@@ -127,7 +90,9 @@ fn the_average_follows_an_f64_reference() {
 fn a_bf16_model_is_averaged_in_f32() {
     let _s = serial();
     let device = Default::default();
-    let start = model(&device).map(&mut Cast(FloatDType::BF16));
+    let start = MemorySaving::new()
+        .with_weights(FloatDType::BF16)
+        .prepare(model(&device));
     let config = EmaConfig::new().with_decay(0.999);
     let (got, seen, _) = averaged(start.clone(), config.clone(), 60);
     let ema = ModelEma::new(&start, config).unwrap();

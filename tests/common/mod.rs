@@ -119,3 +119,30 @@ impl Rng {
         (0..n).map(|_| self.unit() * scale).collect()
     }
 }
+
+/// A weight average's updates `ema ← ema + (1 − d_n)(w − ema)` over `weights` (the first is
+/// the start), in f64; `d_n` as the device computes it, in f32 (with `warmup`,
+/// `min(decay, (1 + n) / (10 + n))`).
+pub fn ema_reference(weights: &[Vec<f32>], decay: f64, warmup: bool) -> Vec<f64> {
+    let mut ema: Vec<f64> = weights[0].iter().map(|&w| w as f64).collect();
+    for (n, w) in weights[1..].iter().enumerate() {
+        let d = if warmup {
+            ((1.0 + n as f32) / (10.0 + n as f32)).min(decay as f32)
+        } else {
+            decay as f32
+        };
+        let rate = (1.0 - d) as f64;
+        for (e, &w) in ema.iter_mut().zip(w) {
+            *e += rate * (w as f64 - *e);
+        }
+    }
+    ema
+}
+
+/// The largest absolute difference between `got` and `want`, element by element.
+pub fn largest_error(got: &[f32], want: &[f64]) -> f64 {
+    assert_eq!(got.len(), want.len());
+    got.iter()
+        .zip(want)
+        .fold(0.0, |m, (&g, &w)| m.max((g as f64 - w).abs()))
+}

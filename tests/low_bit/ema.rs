@@ -68,18 +68,8 @@ where
         5,
         "{weights:?}: the skipped step was averaged"
     );
-    let mut want: Vec<f64> = taken[0].iter().map(|&w| w as f64).collect();
-    let rate = (1.0 - decay as f32) as f64;
-    for w in &taken[1..] {
-        for (e, &w) in want.iter_mut().zip(w) {
-            *e += rate * (w as f64 - *e);
-        }
-    }
-    let got = params(ema.module());
-    let err = got
-        .iter()
-        .zip(&want)
-        .fold(0.0f64, |m, (&g, &w)| m.max((g as f64 - w).abs()));
+    let want = common::ema_reference(&taken, decay, false);
+    let err = common::largest_error(&params(ema.module()), &want);
     assert!(err < 1e-6, "{weights:?}: off by {err}");
 }
 
