@@ -171,7 +171,7 @@ fn train(variant: Variant, config: &TinyLmConfig, steps: usize, batch: usize, lr
     let loss_of = |m: &TinyLm<Inner>| m.loss(x.clone(), y.clone()).into_scalar().elem::<f32>();
     let held_out = (
         loss_of(&model.valid()),
-        ema.as_ref().map(|ema| loss_of(ema.module())),
+        ema.as_ref().map(|ema| loss_of(&ema.module())),
     );
     Row {
         variant,

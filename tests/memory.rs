@@ -20,7 +20,7 @@ use burn::backend::{Autodiff, Flex, Wgpu};
 use burn::prelude::*;
 use burn_amp::memory::DeviceMemory;
 use burn_amp::memory::{FreeMemory, MemorySource, budget_from_free, parameter_bytes};
-use common::memory::{BATCH, DEPTH, SAVED, WIDTH, assert_measured, step_report};
+use common::memory::{BATCH, DEPTH, PARAM_BYTES, SAVED, WIDTH, assert_measured, step_report};
 use common::models::DeepMlp;
 
 #[test]
@@ -336,6 +336,83 @@ fn silu_keeps_its_half_input_alone_on_wgpu() {
                 "{what}: {got:.2} bytes/element, by hand {want}"
             );
         }
+    })
+    .join()
+    .unwrap();
+}
+
+/// Adds a constant to every float parameter (a trained model's move).
+struct AddToFloats(f32);
+
+impl<B2: burn::tensor::backend::AutodiffBackend> burn::module::ModuleMapper<B2> for AddToFloats {
+    fn map_float<const D: usize>(
+        &mut self,
+        param: burn::module::Param<Tensor<B2, D>>,
+    ) -> burn::module::Param<Tensor<B2, D>> {
+        let (id, value, mapper) = param.consume();
+        // A new leaf, as an optimizer's step makes.
+        let moved = Tensor::from_inner(value.inner() + self.0).require_grad();
+        burn::module::Param::from_mapped_value(id, moved, mapper)
+    }
+}
+
+/// A weight average on the device costs the model's f32 bytes of device memory; in host
+/// memory (`EmaPlacement::Host`) a placeholder per trained tensor, before and after updates;
+/// `module()` brings it to the device for as long as the module lives.
+#[test]
+fn a_host_average_holds_no_device_memory_on_wgpu() {
+    let _s = serial();
+    use burn_amp::{Amp, EmaConfig, ModelEma, ema::EmaPlacement};
+    type B = Amp<Autodiff<Wgpu>>;
+    if common::wgpu_device().is_none() {
+        return;
+    }
+    std::thread::spawn(|| {
+        let device = Default::default();
+        let in_use = || B::memory_snapshot(&device).unwrap().bytes_in_use;
+        let model = DeepMlp::<B>::new(WIDTH, DEPTH, &device);
+        // Burn initializes a parameter at its first use, and a clone made before draws its
+        // own values: read them all first.
+        let start = common::models::params(&model);
+        let moved = model.clone().map(&mut AddToFloats(0.5));
+        let mut held = Vec::new();
+        for placement in [EmaPlacement::Device, EmaPlacement::Host] {
+            let before = in_use();
+            let config = EmaConfig::new().with_decay(0.5).with_placement(placement);
+            let mut ema = ModelEma::<B, _>::new(&model, config).unwrap();
+            ema.update(&moved).unwrap();
+            let kept = in_use() - before;
+            let module = ema.module();
+            let evaluated = in_use() - before;
+            // The update happened: halfway to the moved weights.
+            let average = common::models::params(&module);
+            let off = average
+                .iter()
+                .zip(&start)
+                .fold(0f32, |m, (a, w)| m.max((a - (w + 0.25)).abs()));
+            assert!(off < 1e-6, "{placement:?}: off by {off}");
+            eprintln!(
+                "{placement:?}: {kept} device bytes kept, {evaluated} with module(); \
+                 parameters {PARAM_BYTES}"
+            );
+            held.push((kept, evaluated));
+            drop(module);
+        }
+        let [(device_kept, _), (host_kept, host_evaluated)] = held[..] else {
+            unreachable!()
+        };
+        assert!(
+            (PARAM_BYTES..PARAM_BYTES + PARAM_BYTES / 20).contains(&device_kept),
+            "a device average keeps {device_kept} bytes, parameters {PARAM_BYTES}"
+        );
+        assert!(
+            host_kept < PARAM_BYTES / 50,
+            "a host average keeps {host_kept} device bytes"
+        );
+        assert!(
+            host_evaluated >= PARAM_BYTES,
+            "module() of a host average: {host_evaluated} device bytes"
+        );
     })
     .join()
     .unwrap();

@@ -2,11 +2,12 @@
 //! weights), the steps an `AmpOptimizer` did not take passed over (a micro-step of an
 //! accumulation window, a step skipped on an overflow) with no host read, tensors that are
 //! not trained taken as they are, a record resuming bitwise, and misuse as typed errors with
-//! nothing changed.
+//! nothing changed; each with the average on the device and in host memory (bit for bit the
+//! same), and `update_every`.
 
 use burn::module::{Module, ModuleMapper, Param};
 use burn::nn::{Linear, LinearConfig};
-use burn_amp::ema::{EmaConfig, EmaError, ModelEma};
+use burn_amp::ema::{EmaConfig, EmaError, EmaPlacement, ModelEma};
 use burn_amp::optim::FusedAdamWConfig;
 use burn_amp::scaler::GradScaler;
 use burn_amp::{Frozen, MemorySaving, freeze};
@@ -42,6 +43,8 @@ impl<B2: Backend> ModuleMapper<B2> for Moved {
     }
 }
 
+const PLACEMENTS: [EmaPlacement; 2] = [EmaPlacement::Device, EmaPlacement::Host];
+
 fn moved<M: Module<B>>(module: M, t: usize) -> M {
     module.map(&mut Moved {
         t: t as f32,
@@ -58,21 +61,28 @@ fn averaged(start: Mlp<B>, config: EmaConfig, steps: usize) -> (Vec<f32>, Vec<Ve
         ema.update(&m).unwrap();
         seen.push(params(&m));
     }
-    (params(ema.module()), seen, ema.updates())
+    (params(&ema.module()), seen, ema.updates())
 }
 
 #[test]
 fn the_average_follows_an_f64_reference() {
     let _s = serial();
     let device = Default::default();
-    for (decay, warmup) in [(0.9, false), (0.99, true), (0.0, false)] {
-        let config = EmaConfig::new().with_decay(decay).with_warmup(warmup);
+    let cases = [(0.9, false), (0.99, true), (0.0, false)];
+    for ((decay, warmup), placement) in cases.into_iter().flat_map(|c| PLACEMENTS.map(|p| (c, p))) {
+        let config = EmaConfig::new()
+            .with_decay(decay)
+            .with_warmup(warmup)
+            .with_placement(placement);
         let (got, seen, updates) = averaged(model(&device), config, 30);
         assert_eq!(updates, 30);
         let want = reference(&seen, decay, warmup);
         let err = largest_error(&got, &want);
         // 30 f32 updates of values below 1: a few ulps each.
-        assert!(err < 2e-6, "decay {decay}, warmup {warmup}: off by {err}");
+        assert!(
+            err < 2e-6,
+            "decay {decay}, warmup {warmup}, {placement:?}: off by {err}"
+        );
         // It moved: not the start, not the last weights (but at decay 0, the last).
         let last = seen.last().unwrap();
         let to_last = largest_error(last, &want);
@@ -95,11 +105,17 @@ fn a_bf16_model_is_averaged_in_f32() {
         .prepare(model(&device));
     let config = EmaConfig::new().with_decay(0.999);
     let (got, seen, _) = averaged(start.clone(), config.clone(), 60);
-    let ema = ModelEma::new(&start, config).unwrap();
+    let ema = ModelEma::new(&start, config.clone()).unwrap();
     assert_eq!(ema.module().l1.weight.val().dtype(), DType::F32);
     let want = reference(&seen, 0.999, false);
     let err = largest_error(&got, &want);
     assert!(err < 1e-6, "off by {err}");
+    // On the host, widened there: the same bits.
+    let on_host = config.with_placement(EmaPlacement::Host);
+    let (host, _, _) = averaged(start.clone(), on_host.clone(), 60);
+    assert_eq!(bits(&host), bits(&got), "the host average of bf16 weights");
+    let ema = ModelEma::new(&start, on_host).unwrap();
+    assert_eq!(ema.module().l1.weight.val().dtype(), DType::F32);
     let from_start = largest_error(&seen[0], &want);
     assert!(
         from_start > 5e-3,
@@ -153,25 +169,29 @@ fn tensors_not_trained_are_taken_as_they_are() {
         backbone: freeze(LinearConfig::new(8, 8).init(&device)).with_storage(FloatDType::BF16),
         head: LinearConfig::new(8, 4).init(&device),
     };
-    let mut ema: ModelEma<B, _> = ModelEma::new(&start, EmaConfig::new().with_decay(0.5)).unwrap();
-    let backbone = ema.module().backbone.weight.val();
-    assert_eq!(
-        backbone.dtype(),
-        DType::BF16,
-        "a frozen bf16 tensor widened"
-    );
-    // The model's frozen tensor replaced (as a loaded checkpoint would): taken, not averaged.
-    let replaced = HalfFrozen {
-        backbone: moved(start.backbone.clone(), 7),
-        head: start.head.clone(),
-    };
-    ema.update(&replaced).unwrap();
-    assert_eq!(
-        params(&ema.module().backbone),
-        params(&replaced.backbone),
-        "the frozen tensor was averaged"
-    );
-    assert_eq!(params(&ema.module().head), params(&start.head));
+    for placement in PLACEMENTS {
+        let config = EmaConfig::new().with_decay(0.5).with_placement(placement);
+        let mut ema: ModelEma<B, _> = ModelEma::new(&start, config).unwrap();
+        let backbone = ema.module().backbone.weight.val();
+        assert_eq!(
+            backbone.dtype(),
+            DType::BF16,
+            "{placement:?}: a frozen bf16 tensor widened"
+        );
+        // The model's frozen tensor replaced (as a loaded checkpoint would): taken, not
+        // averaged.
+        let replaced = HalfFrozen {
+            backbone: moved(start.backbone.clone(), 7),
+            head: start.head.clone(),
+        };
+        ema.update(&replaced).unwrap();
+        assert_eq!(
+            params(&ema.module().backbone),
+            params(&replaced.backbone),
+            "{placement:?}: the frozen tensor was averaged"
+        );
+        assert_eq!(params(&ema.module().head), params(&start.head));
+    }
 }
 
 type Window = GradientAccumulation<super::shared_scaler::Fused, B>;
@@ -183,28 +203,39 @@ fn steps_not_taken_are_not_averaged() {
     let _s = serial();
     let _g = autocast(Precision::F16);
     let device = Default::default();
-    let fused = FusedAdamWConfig::new().init::<B, Mlp<B>>().unwrap();
-    let window: Window = GradientAccumulation::new(fused, 2).unwrap();
-    let mut optim = AmpOptimizer::new(window, GradScalerConfig::new()).unwrap();
-    let mut m = model(&device);
-    let config = EmaConfig::new().with_decay(0.8).with_warmup(true);
-    let mut ema = ModelEma::new(&m, config).unwrap();
-    let mut taken = vec![params(&m)];
-    let mut reads = 0;
-    for i in 0..8 {
-        m = step(m, &mut optim, i, i == 5);
-        let before = host_reads();
-        ema.update_after(&m, &optim).unwrap();
-        reads += host_reads() - before;
-        assert_eq!(optim.last_step_taken(), i % 2 == 1, "micro-batch {i}");
-        if i % 2 == 1 && i != 5 {
-            taken.push(params(&m));
+    let mut averages = Vec::new();
+    for placement in PLACEMENTS {
+        let fused = FusedAdamWConfig::new().init::<B, Mlp<B>>().unwrap();
+        let window: Window = GradientAccumulation::new(fused, 2).unwrap();
+        let mut optim = AmpOptimizer::new(window, GradScalerConfig::new()).unwrap();
+        let mut m = model(&device);
+        let config = EmaConfig::new()
+            .with_decay(0.8)
+            .with_warmup(true)
+            .with_placement(placement);
+        let mut ema = ModelEma::new(&m, config).unwrap();
+        let mut taken = vec![params(&m)];
+        let mut reads = 0;
+        for i in 0..8 {
+            m = step(m, &mut optim, i, i == 5);
+            let before = host_reads();
+            ema.update_after(&m, &optim).unwrap();
+            reads += host_reads() - before;
+            assert_eq!(optim.last_step_taken(), i % 2 == 1, "micro-batch {i}");
+            if i % 2 == 1 && i != 5 {
+                taken.push(params(&m));
+            }
         }
+        if placement == EmaPlacement::Device {
+            assert_eq!(reads, 0, "host reads in update_after");
+        }
+        assert_eq!(ema.updates(), 3, "{placement:?}: updates counted");
+        let got = params(&ema.module());
+        let err = largest_error(&got, &reference(&taken, 0.8, true));
+        assert!(err < 1e-6, "{placement:?}: off by {err}");
+        averages.push(bits(&got));
     }
-    assert_eq!(reads, 0, "host reads in update_after");
-    assert_eq!(ema.updates(), 3, "updates counted");
-    let err = largest_error(&params(ema.module()), &reference(&taken, 0.8, true));
-    assert!(err < 1e-6, "off by {err}");
+    assert_eq!(averages[0], averages[1], "host and device averages differ");
 }
 
 /// A loop with a `GradScaler` by hand: `update_unless(report.found_inf())` passes over the
@@ -234,35 +265,82 @@ fn a_hand_loop_passes_its_overflow_flag() {
         }
     }
     assert_eq!(ema.updates(), 4);
-    let err = largest_error(&params(ema.module()), &reference(&taken, 0.7, false));
+    let err = largest_error(&params(&ema.module()), &reference(&taken, 0.7, false));
     assert!(err < 1e-6, "off by {err}");
 }
 
+fn bits(values: &[f32]) -> Vec<u32> {
+    values.iter().map(|v| v.to_bits()).collect()
+}
+
+/// Saved after 5 calls (every 2nd averaged: 2 updates, one call into the third), resumed in
+/// either placement from either: the same bits as the run that went on, the phase of
+/// `update_every` kept.
 #[test]
-fn a_record_resumes_the_average_bitwise() {
+fn a_record_resumes_the_average_bitwise_in_either_placement() {
     let _s = serial();
     let device = Default::default();
-    let config = EmaConfig::new().with_decay(0.95).with_warmup(true);
+    let config = |placement| {
+        EmaConfig::new()
+            .with_decay(0.95)
+            .with_warmup(true)
+            .with_update_every(2)
+            .with_placement(placement)
+    };
     let start = model(&device);
     let run = |ema: &mut ModelEma<B, Mlp<B>>, steps: core::ops::Range<usize>| {
         for t in steps {
             ema.update(&moved(start.clone(), t)).unwrap();
         }
     };
-    let mut whole = ModelEma::new(&start, config.clone()).unwrap();
-    run(&mut whole, 1..5);
-    let saved = common::save::<Inner, _>(whole.to_record());
-    run(&mut whole, 5..12);
-    let mut resumed = ModelEma::new(&model(&device), config)
-        .unwrap()
-        .load_record(common::load::<Inner, _>(saved, &device));
-    assert_eq!(resumed.updates(), 4);
-    run(&mut resumed, 5..12);
-    let bits = |ema: &ModelEma<B, Mlp<B>>| -> Vec<u32> {
-        params(ema.module()).into_iter().map(f32::to_bits).collect()
-    };
-    assert_eq!(bits(&resumed), bits(&whole));
-    assert_eq!(resumed.updates(), 11);
+    for saved_in in PLACEMENTS {
+        let mut whole = ModelEma::new(&start, config(saved_in)).unwrap();
+        run(&mut whole, 1..6);
+        let saved = common::save::<Inner, _>(whole.to_record());
+        run(&mut whole, 6..14);
+        assert_eq!(whole.updates(), 6);
+        for loaded_in in PLACEMENTS {
+            let mut resumed = ModelEma::new(&model(&device), config(loaded_in))
+                .unwrap()
+                .load_record(common::load::<Inner, _>(saved.clone(), &device));
+            assert_eq!(resumed.updates(), 2);
+            run(&mut resumed, 6..14);
+            assert_eq!(
+                bits(&params(&resumed.module())),
+                bits(&params(&whole.module())),
+                "saved {saved_in:?}, loaded {loaded_in:?}"
+            );
+            assert_eq!(resumed.updates(), 6);
+        }
+    }
+}
+
+/// Every 3rd call averages, with the decay per update: 9 calls are the reference of the
+/// weights at 3, 6 and 9; an overflow at the 6th passes that update over (not to the 7th).
+#[test]
+fn update_every_averages_every_nth_step() {
+    let _s = serial();
+    let device = Default::default();
+    let start = model(&device);
+    for placement in PLACEMENTS {
+        let config = EmaConfig::new()
+            .with_decay(0.6)
+            .with_update_every(3)
+            .with_placement(placement);
+        let mut ema = ModelEma::new(&start, config).unwrap();
+        let mut taken = vec![params(&start)];
+        for t in 1..=9 {
+            let m = moved(start.clone(), t);
+            let found_inf = Tensor::<Inner, 1>::from_floats([(t == 6) as u8 as f32], &device);
+            ema.update_unless(&m, Some(found_inf)).unwrap();
+            if t % 3 == 0 && t != 6 {
+                taken.push(params(&m));
+            }
+        }
+        assert_eq!(ema.updates(), 2, "{placement:?}");
+        let err = largest_error(&params(&ema.module()), &reference(&taken, 0.6, false));
+        assert!(err < 1e-6, "{placement:?}: off by {err}");
+    }
 }
 
 #[test]
@@ -274,8 +352,14 @@ fn misuse_is_a_typed_error_and_changes_nothing() {
         let err = ModelEma::new(&m, EmaConfig::new().with_decay(decay)).unwrap_err();
         assert!(matches!(err, EmaError::InvalidDecay(_)), "{decay}: {err}");
     }
+    let err = ModelEma::new(&m, EmaConfig::new().with_update_every(0)).unwrap_err();
+    assert_eq!(err, EmaError::InvalidUpdateEvery);
+    assert!(
+        err.to_string().contains("1 to average after every step"),
+        "{err}"
+    );
     let mut ema = ModelEma::new(&m, EmaConfig::new().with_decay(0.5)).unwrap();
-    let before = params(ema.module());
+    let before = params(&ema.module());
     let wider = Mlp::<B>::new(D_IN, 32, CLASSES, &device);
     let err = ema.update(&wider).unwrap_err();
     assert_eq!(
@@ -291,7 +375,7 @@ fn misuse_is_a_typed_error_and_changes_nothing() {
         err.to_string().contains("the model it was made from"),
         "{err}"
     );
-    assert_eq!(params(ema.module()), before, "an update half applied");
+    assert_eq!(params(&ema.module()), before, "an update half applied");
     assert_eq!(ema.updates(), 0);
 }
 
@@ -317,4 +401,24 @@ fn burn_derive_module_sees_no_parameter_under_another_backend_name() {
         0,
         "Burn's derive now sees the fields"
     );
+}
+
+/// Found writing the wgpu memory test: Burn 0.21 initializes a parameter at its first use,
+/// and a clone of a module made before that use carries the initializer, not the values: the
+/// clone draws its own random weights. An average (or any copy) made from a clone of a fresh
+/// model starts elsewhere than the model. A canary: it fails once a clone shares the values.
+#[test]
+fn burn_clone_of_a_fresh_module_draws_other_weights() {
+    let _s = serial();
+    let device = Default::default();
+    let fresh = LinearConfig::new(8, 4).init::<B>(&device);
+    let copy = fresh.clone();
+    assert_ne!(
+        params(&fresh),
+        params(&copy),
+        "Burn's clone of a fresh module now has its values"
+    );
+    let used = LinearConfig::new(8, 4).init::<B>(&device);
+    let values = params(&used);
+    assert_eq!(params(&used.clone()), values, "a clone after a use");
 }

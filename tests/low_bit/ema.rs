@@ -1,12 +1,14 @@
 //! A weight average of half-precision weights (`MemorySaving`: 8-bit moments, weights in
 //! f16 or bf16 rounded stochastically) under an `AmpOptimizer` at f16 with an overflow: the
 //! average is f32, follows an f64 reference of the weights of the steps taken, and passes
-//! over the skipped one on the device. Flex (f16, bf16) and wgpu (f16: the same ops fused).
+//! over the skipped one. Flex (f16, bf16) and wgpu (f16: the same ops fused); the average on
+//! the device and in host memory.
 
 use burn::backend::{Autodiff, Flex, Wgpu};
 use burn::optim::{GradientsParams, Optimizer};
 use burn::prelude::*;
 use burn::tensor::backend::AutodiffBackend;
+use burn_amp::ema::EmaPlacement;
 use burn_amp::kernels::AmpKernels;
 use burn_amp::optim::FusedAdamWConfig;
 use burn_amp::scaler::GradScalerConfig;
@@ -34,7 +36,7 @@ fn batch<BK: Backend>(
     )
 }
 
-fn check<BK>(device: &BK::Device, weights: FloatDType)
+fn check<BK>(device: &BK::Device, weights: FloatDType, placement: EmaPlacement)
 where
     BK: AutodiffBackend,
     BK::InnerBackend: AmpKernels,
@@ -48,7 +50,8 @@ where
     let inner = preset.optimizer::<BK, Mlp<BK>>().unwrap();
     let mut optim = AmpOptimizer::new(inner, GradScalerConfig::new()).unwrap();
     let decay = 0.6;
-    let mut ema = ModelEma::<BK, _>::new(&model, EmaConfig::new().with_decay(decay)).unwrap();
+    let config = EmaConfig::new().with_decay(decay).with_placement(placement);
+    let mut ema = ModelEma::<BK, _>::new(&model, config).unwrap();
     assert_eq!(
         ema.module().l1.weight.val().dtype(),
         burn::tensor::DType::F32
@@ -66,20 +69,22 @@ where
     assert_eq!(
         ema.updates(),
         5,
-        "{weights:?}: the skipped step was averaged"
+        "{weights:?}, {placement:?}: the skipped step was averaged"
     );
     let want = common::ema_reference(&taken, decay, false);
-    let err = common::largest_error(&params(ema.module()), &want);
-    assert!(err < 1e-6, "{weights:?}: off by {err}");
+    let err = common::largest_error(&params(&ema.module()), &want);
+    assert!(err < 1e-6, "{weights:?}, {placement:?}: off by {err}");
 }
 
 #[test]
 fn the_average_of_half_weights_is_f32_and_skips_the_overflow_flex() {
     let _s = serial();
     for weights in [FloatDType::F16, FloatDType::BF16] {
-        common::big_stack(move || {
-            check::<burn_amp::Amp<Autodiff<Flex>>>(&Default::default(), weights)
-        });
+        for placement in [EmaPlacement::Device, EmaPlacement::Host] {
+            common::big_stack(move || {
+                check::<burn_amp::Amp<Autodiff<Flex>>>(&Default::default(), weights, placement)
+            });
+        }
     }
 }
 
@@ -87,6 +92,11 @@ fn the_average_of_half_weights_is_f32_and_skips_the_overflow_flex() {
 fn the_average_of_half_weights_is_f32_and_skips_the_overflow_wgpu() {
     let _s = serial();
     if let Some(device) = common::wgpu_device() {
-        common::big_stack(move || check::<burn_amp::Amp<Autodiff<Wgpu>>>(&device, FloatDType::F16));
+        for placement in [EmaPlacement::Device, EmaPlacement::Host] {
+            let device = device.clone();
+            common::big_stack(move || {
+                check::<burn_amp::Amp<Autodiff<Wgpu>>>(&device, FloatDType::F16, placement)
+            });
+        }
     }
 }
