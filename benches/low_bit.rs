@@ -6,7 +6,7 @@
 //! per step against f32 AdamW. One table, then one JSON line.
 //!
 //! `cargo bench --bench low_bit` (`cargo test` runs it small, as a smoke test; `-- --kernels`
-//! times the optimizer kernels alone).
+//! times the optimizer kernels alone, `-- --ema` the weight average's placements alone).
 
 #[path = "../tests/common/mod.rs"]
 mod common;
@@ -306,6 +306,94 @@ fn kernel_times(n: usize, rounds: usize) -> Option<Vec<(&'static str, f64)>> {
     )
 }
 
+/// A stack of `width × width` layers: the model of the weight-average placements.
+#[derive(Module, Debug)]
+struct Stack<B: Backend> {
+    layers: Vec<burn::nn::Linear<B>>,
+}
+
+/// A weight average of an f16 model of `layers` layers of `width × width` on wgpu (lavapipe):
+/// on the device (without and with an overflow flag, as after an f16 step), in host memory,
+/// in host memory every 10th step. Per placement, the device bytes the average keeps
+/// (CubeCL's allocator) and its time per optimizer step (10 steps, each waited for, as a
+/// training loop's loss read waits), alternating, median of `rounds`.
+fn ema_placements(width: usize, layers: usize, rounds: usize) -> Option<Vec<(String, f64, u64)>> {
+    use burn::backend::Wgpu;
+    use burn::nn::LinearConfig;
+    use burn_amp::EmaPlacement;
+    use burn_amp::memory::DeviceMemory;
+    type W = Amp<Autodiff<Wgpu>>;
+    let device = common::wgpu_device()?;
+    let model = Stack::<W> {
+        layers: (0..layers)
+            .map(|_| LinearConfig::new(width, width).init(&device))
+            .collect(),
+    };
+    let model = MemorySaving::new()
+        .with_weights(FloatDType::F16)
+        .prepare(model);
+    let in_use = || W::memory_snapshot(&device).map_or(0, |s| s.bytes_in_use);
+    let sync = || <W as AutodiffBackend>::InnerBackend::sync(&device).expect("device alive");
+    let cases = [
+        ("device, every step", EmaPlacement::Device, 1, false),
+        (
+            "device, every step, overflow flag",
+            EmaPlacement::Device,
+            1,
+            true,
+        ),
+        ("host, every step", EmaPlacement::Host, 1, false),
+        ("host, every 10th step", EmaPlacement::Host, 10, false),
+    ];
+    let flag = Tensor::<<W as AutodiffBackend>::InnerBackend, 1>::zeros([1], &device);
+    let mut kept = Vec::new();
+    let mut averages = Vec::new();
+    for (_, placement, every, _) in cases {
+        sync();
+        let before = in_use();
+        let config = EmaConfig::new()
+            .with_decay(0.999)
+            .with_update_every(every)
+            .with_placement(placement);
+        let mut ema = ModelEma::<W, _>::new(&model, config).expect("a valid config");
+        ema.update(&model).expect("the same model");
+        sync();
+        kept.push(in_use().saturating_sub(before));
+        averages.push(ema);
+    }
+    let mut times = vec![Vec::new(); cases.len()];
+    for round in 0..rounds + 1 {
+        for (i, ema) in averages.iter_mut().enumerate() {
+            let flagged = cases[i].3;
+            sync();
+            let start = Instant::now();
+            for _ in 0..10 {
+                let found_inf = flagged.then(|| flag.clone());
+                ema.update_unless(&model, found_inf)
+                    .expect("the same model");
+                sync();
+            }
+            if round >= 1 {
+                times[i].push(start.elapsed() / 10);
+            }
+        }
+    }
+    Some(
+        cases
+            .iter()
+            .zip(times)
+            .zip(kept)
+            .map(|(((name, ..), t), kept)| {
+                (
+                    name.to_string(),
+                    common::median(t).as_secs_f64() * 1e3,
+                    kept,
+                )
+            })
+            .collect(),
+    )
+}
+
 fn main() {
     let args: Vec<String> = std::env::args().collect();
     let full = args.iter().any(|a| a == "--bench" || a == "--full");
@@ -331,9 +419,10 @@ fn main() {
     };
     let lr = 1e-3;
     let kernels_only = args.iter().any(|a| a == "--kernels");
+    let ema_only = args.iter().any(|a| a == "--ema");
     let rows: Vec<Row> = variants()
         .into_iter()
-        .filter(|_| !kernels_only)
+        .filter(|_| !kernels_only && !ema_only)
         .map(|v| {
             let config = config.clone();
             std::thread::spawn(move || train(v, &config, steps, batch, lr))
@@ -381,7 +470,10 @@ fn main() {
         }
     }
     let n = if full { 1 << 22 } else { 1 << 16 };
-    let kernels = kernel_times(n, if full { 10 } else { 2 }).unwrap_or_default();
+    let kernels = match ema_only {
+        false => kernel_times(n, if full { 10 } else { 2 }).unwrap_or_default(),
+        true => Vec::new(),
+    };
     let mut kernel_json = Vec::new();
     if let Some((_, base)) = kernels.first().copied() {
         println!();
@@ -398,9 +490,38 @@ fn main() {
             ));
         }
     }
+    let (width, layers) = if full { (1024, 8) } else { (64, 2) };
+    let placements = match kernels_only {
+        false => ema_placements(width, layers, if full { 10 } else { 1 }).unwrap_or_default(),
+        true => Vec::new(),
+    };
+    let mut ema_json = Vec::new();
+    if let Some((_, base, _)) = placements.first() {
+        let weights = (layers * (width * width + width) * 2) as f64;
+        println!();
+        println!(
+            "A weight average (f32) of an f16 model of {layers} × {width}² ({:.2} MiB of weights) on wgpu (lavapipe), per optimizer step, median",
+            weights / (1 << 20) as f64
+        );
+        println!("| average | device bytes kept / weights | ms per step | / on the device |");
+        println!("|---|---|---|---|");
+        for (name, ms, kept) in &placements {
+            println!(
+                "| {name} | {:.3} | {ms:.2} | {:.2} |",
+                *kept as f64 / weights,
+                ms / base
+            );
+            ema_json.push(format!(
+                "{{\"average\":\"{name}\",\"device_bytes\":{kept},\"kept_per_weight_byte\":{:.4},\"ms\":{ms:.3},\"ratio\":{:.4}}}",
+                *kept as f64 / weights,
+                ms / base
+            ));
+        }
+    }
     report::emit(&format!(
-        "{{\"bench\":\"low_bit\",\"steps\":{steps},\"rows\":[{}],\"kernel_values\":{n},\"kernels\":[{}]}}",
+        "{{\"bench\":\"low_bit\",\"steps\":{steps},\"rows\":[{}],\"kernel_values\":{n},\"kernels\":[{}],\"ema_placements\":[{}]}}",
         json.join(","),
-        kernel_json.join(",")
+        kernel_json.join(","),
+        ema_json.join(",")
     ));
 }

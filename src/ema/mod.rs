@@ -48,7 +48,7 @@ use crate::scaler::ScalerKernels;
 mod tensors;
 
 pub use tensors::HostTensor;
-use tensors::{Average, Offload, Refresh, Trained, TrainedTensor, Upload, Widen};
+use tensors::{Average, Offload, Rate, Refresh, Trained, TrainedTensor, Upload, Widen};
 
 /// Where a [`ModelEma`] keeps its average ([module docs](self#where-the-average-lives)).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -129,12 +129,14 @@ pub struct ModelEma<B: AutodiffBackend, M: AutodiffModule<B>> {
     calls: u64,
 }
 
-/// The count of updates: f32 `[1]` on the first tensor's device (a skipped step leaves it on
-/// the device, without a read), or on the host with a host average.
+/// The count of updates, on the host until an update comes with an overflow flag to a device
+/// average, then f32 `[1]` on the first tensor's device (a skipped step leaves it there,
+/// without a read). Counted on the host, the rate is a host scalar: on lavapipe an update
+/// whose rate is computed on the device in the same fused block took twice as long.
 #[derive(Debug, Clone)]
 enum Updates<B: Backend> {
-    Device(Tensor<B, 1>),
     Host { count: u64, device: B::Device },
+    Device(Tensor<B, 1>),
 }
 
 /// Only a panic inside an update (a backend's) leaves the average taken out.
@@ -172,12 +174,9 @@ impl<B: AutodiffBackend, M: AutodiffModule<B>> ModelEma<B, M> {
             EmaPlacement::Host => offload(model.valid(), &flags),
         };
         let shapes = trained.shapes();
-        let updates = trained.zero.map(|zero| match config.placement {
-            EmaPlacement::Device => Updates::Device(zero),
-            EmaPlacement::Host => Updates::Host {
-                count: 0,
-                device: zero.device(),
-            },
+        let updates = trained.zero.map(|zero| Updates::Host {
+            count: 0,
+            device: zero.device(),
         });
         Ok(Self {
             config,
@@ -261,13 +260,29 @@ impl<B: AutodiffBackend, M: AutodiffModule<B>> ModelEma<B, M> {
         if !self.calls.is_multiple_of(self.config.update_every as u64) {
             return Ok(());
         }
-        match self.updates.take() {
-            None => Ok(()), // no float tensor: nothing to average
-            Some(Updates::Device(updates)) => {
+        match (self.updates.take(), self.config.placement) {
+            (None, _) => Ok(()), // no float tensor: nothing to average
+            (Some(Updates::Host { count, device }), EmaPlacement::Device)
+                if found_inf.is_none() =>
+            {
+                let rate = Rate::Host(1.0 - self.decay(count as f32));
+                self.average_on_device(&trained.tensors, rate);
+                self.updates = Some(Updates::Host {
+                    count: count + 1,
+                    device,
+                });
+                Ok(())
+            }
+            (Some(Updates::Host { count, device }), EmaPlacement::Device) => {
+                let updates = f32_scalar(count as f32, &device);
                 self.update_on_device(&trained.tensors, updates, found_inf);
                 Ok(())
             }
-            Some(Updates::Host { count, device }) => {
+            (Some(Updates::Device(updates)), _) => {
+                self.update_on_device(&trained.tensors, updates, found_inf);
+                Ok(())
+            }
+            (Some(Updates::Host { count, device }), EmaPlacement::Host) => {
                 let skipped = found_inf.is_some_and(|f| f.into_scalar().elem::<f32>() != 0.0);
                 let count = if skipped {
                     count
@@ -310,6 +325,14 @@ impl<B: AutodiffBackend, M: AutodiffModule<B>> ModelEma<B, M> {
             counted = updates + taken;
         }
         self.updates = Some(Updates::Device(counted));
+        self.average_on_device(model, Rate::Device(rate));
+    }
+
+    fn average_on_device(
+        &mut self,
+        model: &[TrainedTensor<B::InnerBackend>],
+        rate: Rate<B::InnerBackend>,
+    ) {
         let mut average = Average {
             model,
             rate,
@@ -395,12 +418,13 @@ impl<B: AutodiffBackend, M: AutodiffModule<B>> ModelEma<B, M> {
         };
         self.module = Some(module);
         if let (Some(current), Some(loaded)) = (self.updates.take(), updates) {
-            self.updates = Some(match current {
-                Updates::Device(n) => Updates::Device(loaded.to_device(&n.device()).into_tensor()),
-                Updates::Host { device, .. } => Updates::Host {
-                    count: loaded.into_tensor().into_scalar().elem::<f32>() as u64,
-                    device,
-                },
+            let device = match current {
+                Updates::Device(n) => n.device(),
+                Updates::Host { device, .. } => device,
+            };
+            self.updates = Some(Updates::Host {
+                count: loaded.into_tensor().into_scalar().elem::<f32>() as u64,
+                device,
             });
         }
         self

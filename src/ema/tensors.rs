@@ -80,12 +80,19 @@ impl<B: Backend> ModuleMapper<B> for Widen<'_> {
     }
 }
 
+/// The weight of the weights in an update of a device average.
+pub(super) enum Rate<B: Backend> {
+    /// `1 − decay_n`, the count known on the host.
+    Host(f32),
+    /// `(1 − decay_n) · (1 − found_inf)`, f32 `[1]`.
+    Device(Tensor<B, 1>),
+}
+
 /// One update of an average on the device, tensor by tensor against the model's (shapes
 /// checked).
 pub(super) struct Average<'a, B: Backend> {
     pub model: &'a [TrainedTensor<B>],
-    /// `(1 − decay_n) · (1 − found_inf)`, f32 `[1]`.
-    pub rate: Tensor<B, 1>,
+    pub rate: Rate<B>,
     pub index: usize,
 }
 
@@ -96,15 +103,16 @@ impl<B: Backend> ModuleMapper<B> for Average<'_, B> {
         let (id, average, mapper) = param.consume();
         let weights = tensor::<B, D>(w.tensor.clone());
         let value = if w.trained {
-            // On the tensor's device (a model over several devices); the difference first,
-            // so that the average is unique when it is added to (in place where the backend
-            // can).
-            let rate = self
-                .rate
-                .clone()
-                .to_device(&average.device())
-                .reshape([1; D]);
-            let step = (weights.cast(FloatDType::F32) - average.clone()) * rate;
+            // The difference first, so that the average is unique when it is added to (in
+            // place where the backend can).
+            let difference = weights.cast(FloatDType::F32) - average.clone();
+            let step = match &self.rate {
+                Rate::Host(rate) => difference * *rate,
+                // On the tensor's device (a model over several devices).
+                Rate::Device(rate) => {
+                    difference * rate.clone().to_device(&average.device()).reshape([1; D])
+                }
+            };
             average + step
         } else {
             weights
