@@ -141,11 +141,17 @@ impl HostTensor {
     }
 
     /// `a ← a + (w − a) · rate`, element by element in f32, as the device's update.
+    /// Widened as it is read (no f32 copy of a half tensor), on every core for a large one.
     pub(super) fn lerp<B: Backend>(&mut self, weights: FloatTensor<B>, rate: f32) {
-        let w = flat::<B>(weights).into_data().convert::<f32>();
-        let w = w.as_slice::<f32>().expect("converted to f32");
-        for (a, &w) in self.data.iter_mut().zip(w) {
-            *a = *a + (w - *a) * rate;
+        let w = flat::<B>(weights).into_data();
+        match w.dtype {
+            DType::F16 => lerp_from(&mut self.data, slice::<half::f16>(&w), rate),
+            DType::BF16 => lerp_from(&mut self.data, slice::<half::bf16>(&w), rate),
+            DType::F32 => lerp_from(&mut self.data, slice::<f32>(&w), rate),
+            _ => {
+                let w = w.convert::<f32>();
+                lerp_from(&mut self.data, slice::<f32>(&w), rate)
+            }
         }
     }
 
@@ -154,6 +160,34 @@ impl HostTensor {
         let data = TensorData::new(self.data.clone(), self.shape.clone());
         Tensor::from_data(data, (device, DType::F32))
     }
+}
+
+fn slice<E: burn::tensor::Element>(data: &TensorData) -> &[E] {
+    data.as_slice::<E>().expect("the dtype matched")
+}
+
+/// `a ← a + (w − a) · rate` over `average`, split across threads above 2^18 values.
+fn lerp_from<E: Copy + Into<f32> + Sync>(average: &mut [f32], weights: &[E], rate: f32) {
+    let chunk = average.len().div_ceil(threads()).max(1 << 18);
+    std::thread::scope(|scope| {
+        for (a, w) in average.chunks_mut(chunk).zip(weights.chunks(chunk)) {
+            let short = a.len() < chunk;
+            let mut run = move || {
+                for (a, &w) in a.iter_mut().zip(w) {
+                    *a = *a + (w.into() - *a) * rate;
+                }
+            };
+            if short {
+                run() // the last (or only) chunk on this thread
+            } else {
+                scope.spawn(run);
+            }
+        }
+    });
+}
+
+fn threads() -> usize {
+    std::thread::available_parallelism().map_or(1, |n| n.get())
 }
 
 /// Saved as f32 whatever the recorder's precision settings: the average is f32 on the device

@@ -422,3 +422,31 @@ fn burn_clone_of_a_fresh_module_draws_other_weights() {
     let values = params(&used);
     assert_eq!(params(&used.clone()), values, "a clone after a use");
 }
+
+/// A tensor above 2^18 values is averaged in host memory on several threads, read in its own
+/// dtype (f16, bf16, f32): the same bits as on the device.
+#[test]
+fn a_large_host_average_is_the_device_average() {
+    let _s = serial();
+    let device = Default::default();
+    for weights in [FloatDType::F16, FloatDType::BF16, FloatDType::F32] {
+        B::seed(&device, 4);
+        let start = MemorySaving::new()
+            .with_weights(weights)
+            .prepare(LinearConfig::new(600, 600).init::<B>(&device));
+        let mut averages = Vec::new();
+        for placement in PLACEMENTS {
+            let config = EmaConfig::new().with_decay(0.9).with_placement(placement);
+            let mut ema = ModelEma::new(&start, config).unwrap();
+            for t in 1..=3 {
+                ema.update(&moved(start.clone(), t)).unwrap();
+            }
+            averages.push(bits(&params(&ema.module())));
+        }
+        assert!(averages[0].len() > 1 << 18);
+        assert!(
+            averages[0] == averages[1],
+            "{weights:?}: host and device differ"
+        );
+    }
+}
