@@ -306,92 +306,20 @@ fn kernel_times(n: usize, rounds: usize) -> Option<Vec<(&'static str, f64)>> {
     )
 }
 
-/// A stack of `width × width` layers: the model of the weight-average placements.
-#[derive(Module, Debug)]
-struct Stack<B: Backend> {
-    layers: Vec<burn::nn::Linear<B>>,
-}
-
-/// A weight average of an f16 model of `layers` layers of `width × width` on wgpu (lavapipe):
-/// on the device (without and with an overflow flag, as after an f16 step), in host memory,
-/// in host memory every 10th step. Per placement, the device bytes the average keeps
-/// (CubeCL's allocator) and its time per optimizer step (10 steps, each waited for, as a
-/// training loop's loss read waits), alternating, median of `rounds`.
-fn ema_placements(width: usize, layers: usize, rounds: usize) -> Option<Vec<(String, f64, u64)>> {
+/// A weight average's placements on wgpu (lavapipe): `tests/common/ema_placements.rs`.
+fn ema_placements(
+    width: usize,
+    layers: usize,
+    rounds: usize,
+) -> Option<Vec<common::ema_placements::Placement>> {
     use burn::backend::Wgpu;
-    use burn::nn::LinearConfig;
-    use burn_amp::EmaPlacement;
     use burn_amp::memory::DeviceMemory;
     type W = Amp<Autodiff<Wgpu>>;
     let device = common::wgpu_device()?;
-    let model = Stack::<W> {
-        layers: (0..layers)
-            .map(|_| LinearConfig::new(width, width).init(&device))
-            .collect(),
-    };
-    let model = MemorySaving::new()
-        .with_weights(FloatDType::F16)
-        .prepare(model);
     let in_use = || W::memory_snapshot(&device).map_or(0, |s| s.bytes_in_use);
-    let sync = || <W as AutodiffBackend>::InnerBackend::sync(&device).expect("device alive");
-    let cases = [
-        ("device, every step", EmaPlacement::Device, 1, false),
-        (
-            "device, every step, overflow flag",
-            EmaPlacement::Device,
-            1,
-            true,
-        ),
-        ("host, every step", EmaPlacement::Host, 1, false),
-        ("host, every 10th step", EmaPlacement::Host, 10, false),
-    ];
-    let flag = Tensor::<<W as AutodiffBackend>::InnerBackend, 1>::zeros([1], &device);
-    let mut kept = Vec::new();
-    let mut averages = Vec::new();
-    for (_, placement, every, _) in cases {
-        sync();
-        let before = in_use();
-        let config = EmaConfig::new()
-            .with_decay(0.999)
-            .with_update_every(every)
-            .with_placement(placement);
-        let mut ema = ModelEma::<W, _>::new(&model, config).expect("a valid config");
-        ema.update(&model).expect("the same model");
-        sync();
-        kept.push(in_use().saturating_sub(before));
-        averages.push(ema);
-    }
-    let mut times = vec![Vec::new(); cases.len()];
-    for round in 0..rounds + 1 {
-        for (i, ema) in averages.iter_mut().enumerate() {
-            let flagged = cases[i].3;
-            sync();
-            let start = Instant::now();
-            for _ in 0..10 {
-                let found_inf = flagged.then(|| flag.clone());
-                ema.update_unless(&model, found_inf)
-                    .expect("the same model");
-                sync();
-            }
-            if round >= 1 {
-                times[i].push(start.elapsed() / 10);
-            }
-        }
-    }
-    Some(
-        cases
-            .iter()
-            .zip(times)
-            .zip(kept)
-            .map(|(((name, ..), t), kept)| {
-                (
-                    name.to_string(),
-                    common::median(t).as_secs_f64() * 1e3,
-                    kept,
-                )
-            })
-            .collect(),
-    )
+    Some(common::ema_placements::measure::<W>(
+        &device, width, layers, rounds, in_use,
+    ))
 }
 
 fn main() {
@@ -496,8 +424,8 @@ fn main() {
         true => Vec::new(),
     };
     let mut ema_json = Vec::new();
-    if let Some((_, base, _)) = placements.first() {
-        let weights = (layers * (width * width + width) * 2) as f64;
+    if let Some(base) = placements.first().map(|p| p.ms_per_step) {
+        let weights = common::ema_placements::weight_bytes(width, layers) as f64;
         println!();
         println!(
             "A weight average (f32) of an f16 model of {layers} × {width}² ({:.2} MiB of weights) on wgpu (lavapipe), per optimizer step, median",
@@ -505,15 +433,16 @@ fn main() {
         );
         println!("| average | device bytes kept / weights | ms per step | / on the device |");
         println!("|---|---|---|---|");
-        for (name, ms, kept) in &placements {
+        for p in &placements {
+            let (name, ms, kept) = (p.name, p.ms_per_step, p.device_bytes);
             println!(
                 "| {name} | {:.3} | {ms:.2} | {:.2} |",
-                *kept as f64 / weights,
+                kept as f64 / weights,
                 ms / base
             );
             ema_json.push(format!(
                 "{{\"average\":\"{name}\",\"device_bytes\":{kept},\"kept_per_weight_byte\":{:.4},\"ms\":{ms:.3},\"ratio\":{:.4}}}",
-                *kept as f64 / weights,
+                kept as f64 / weights,
                 ms / base
             ));
         }

@@ -263,6 +263,24 @@ def report(burn, torch):
                          DASH if share is None else f"{100 * share:.1f} %"])
         lines += table(["kernel", "dtype", "elements", "GB/s", "reference GB/s", "of reference"], rows)
 
+    # A weight average on the device and in host memory: the device bytes it keeps against
+    # its time per optimizer step (the first row, on the device, is the base).
+    emas = [r for r in burn if r.get("kind") == "ema"]
+    if emas:
+        lines += ["", "## Weight average (EMA): on the device or in host memory", ""]
+        base = num(emas[0].get("ms_per_step"))
+        lines.append(f"An f32 average of an f16 model ({emas[0].get('model') or DASH}, "
+                     f"{mib(emas[0].get('weight_bytes'))} MiB of weights), per optimizer step, median.")
+        lines.append("")
+        rows = []
+        for r in emas:
+            kept = ratio(r.get("device_bytes"), r.get("weight_bytes"))
+            rows.append([r.get("average") or DASH, fmt(r.get("device_bytes"), ",.0f"),
+                         DASH if kept is None else f"{kept:.3f}", fmt(r.get("ms_per_step"), ".3f"),
+                         fmt(ratio(r.get("ms_per_step"), base), ".2f")])
+        lines += table(["average", "device bytes kept", "/ weight bytes", "ms per step", "/ on the device"],
+                       rows)
+
     # What plain Burn does on this device where burn-amp works around a defect (canaries)
     infos = [r for r in burn if r.get("kind") == "info"]
     if infos:
@@ -308,6 +326,8 @@ def report(burn, torch):
         "bandwidth": [{"kernel": r.get("kernel"), "dtype": r.get("dtype"), "gb_per_s": num(r.get("gb_per_s")),
                        "of_reference": rounded(ratio(r.get("gb_per_s"), r.get("reference_gb_per_s")))}
                       for r in bands],
+        "ema": [{"average": r.get("average"), "ms_per_step": num(r.get("ms_per_step")),
+                 "device_bytes": num(r.get("device_bytes"))} for r in emas],
         "errors": sum(r.get("kind") == "error" for _, r in problems),
         "skipped": sum(r.get("kind") == "skipped" for _, r in problems),
         "device_lost": len(lost), "device_lost_not_resumed": not_resumed, "exit_code": code,

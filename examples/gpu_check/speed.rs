@@ -1,5 +1,6 @@
 //! The speed part: training steps of a transformer and of a deep MLP at f32, bf16 and f16
-//! (fused AdamW; the loss scaler at f16), and the fused unscale + inf/NaN check's bandwidth.
+//! (fused AdamW; the loss scaler at f16), the fused unscale + inf/NaN check's bandwidth, and
+//! a weight average's update on the device and in host memory.
 //!
 //! A step is forward, backward and the optimizer step, timed from its start until the device
 //! has finished it (`sync`), after untimed warm-up steps (kernel compilation, autotune); the
@@ -21,6 +22,7 @@ use burn_amp::{AmpKernels, AmpOptimizer, Precision, autocast, host_reads};
 use burn_std::{DType, FloatDType};
 use serde_json::{Value, json};
 
+use crate::common;
 use crate::common::models::DeepMlp;
 use crate::common::tiny_lm::{ReversalTask, TinyLm, TinyLmConfig};
 use crate::correctness::panic_message;
@@ -36,6 +38,8 @@ pub struct Sizes {
     pub mlp_batch: usize,
     /// Gradient elements of the bandwidth measurement, in 16 tensors.
     pub bandwidth_elements: usize,
+    /// The f16 model of the weight average's placements: `[width, layers]`.
+    pub ema_model: [usize; 2],
 }
 
 impl Sizes {
@@ -56,6 +60,8 @@ impl Sizes {
             mlp_depth: 8,
             mlp_batch: 2048,
             bandwidth_elements: 1 << 28,
+            // 134M parameters: 268 MB of f16 weights, a 537 MB f32 average.
+            ema_model: [4096, 8],
         }
     }
 
@@ -75,6 +81,7 @@ impl Sizes {
             mlp_depth: 2,
             mlp_batch: 32,
             bandwidth_elements: 1 << 16,
+            ema_model: [64, 2],
         }
     }
 }
@@ -167,6 +174,33 @@ pub fn run<T: Target>(
         }
         <T::Fused as Backend>::memory_cleanup(device);
     }
+
+    // A weight average on the device and in host memory (`EmaPlacement`): what the host one
+    // costs per step, against the device bytes it saves.
+    let [width, layers] = sizes.ema_model;
+    let in_use = || T::Fused::memory_snapshot(device).map_or(0, |s| s.bytes_in_use);
+    let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        common::ema_placements::measure::<Train<T>>(device, width, layers, 5, in_use)
+    }))
+    .map_err(panic_message);
+    match result {
+        Ok(placements) => {
+            for p in placements {
+                report.emit(json!({"kind": "ema", "impl": "burn-amp", "average": p.name,
+                    "placement": format!("{:?}", p.placement).to_lowercase(),
+                    "every": p.every, "overflow_flag": p.flagged, "ms_per_step": p.ms_per_step,
+                    "device_bytes": p.device_bytes,
+                    "weight_bytes": common::ema_placements::weight_bytes(width, layers),
+                    "model": format!("f16, {layers} x {width}^2")}));
+            }
+        }
+        Err(error) => {
+            ok = false;
+            report.emit(json!({"kind": "error", "impl": "burn-amp", "model": "ema",
+                "error": error}));
+        }
+    }
+    <T::Fused as Backend>::memory_cleanup(device);
     ok
 }
 

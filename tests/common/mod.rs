@@ -2,6 +2,7 @@
 //! benches include this module by path, the examples `tiny_lm.rs` alone.
 #![allow(dead_code)]
 
+pub mod ema_placements;
 pub mod harness;
 pub mod memory;
 pub mod models;
