@@ -199,16 +199,17 @@ impl<B: AutodiffBackend, M: AutodiffModule<B>> ModelEma<B, M> {
     /// copied to the devices of the weights (the average's bytes in device memory while the
     /// module lives).
     pub fn module(&self) -> M::InnerModule {
-        let module = self.module.clone().expect(LOST);
-        match self.config.placement {
-            EmaPlacement::Device => module,
-            EmaPlacement::Host => upload(module, &self.host),
-        }
+        self.whole(self.module.clone().expect(LOST))
     }
 
     /// The average, taken out.
     pub fn into_module(mut self) -> M::InnerModule {
         let module = self.module.take().expect(LOST);
+        self.whole(module)
+    }
+
+    /// The module with the average in it (a host average's placeholders filled).
+    fn whole(&self, module: M::InnerModule) -> M::InnerModule {
         match self.config.placement {
             EmaPlacement::Device => module,
             EmaPlacement::Host => upload(module, &self.host),
@@ -266,7 +267,7 @@ impl<B: AutodiffBackend, M: AutodiffModule<B>> ModelEma<B, M> {
             (Some(Updates::Host { count, device }), EmaPlacement::Device)
                 if found_inf.is_none() =>
             {
-                let rate = Rate::Host(1.0 - self.decay(count as f32));
+                let rate = Rate::Scalar(1.0 - self.decay(count as f32));
                 self.average_on_device(&trained.tensors, rate);
                 self.updates = Some(Updates::Host {
                     count: count + 1,
@@ -326,7 +327,7 @@ impl<B: AutodiffBackend, M: AutodiffModule<B>> ModelEma<B, M> {
             counted = updates + taken;
         }
         self.updates = Some(Updates::Device(counted));
-        self.average_on_device(model, Rate::Device(rate));
+        self.average_on_device(model, Rate::Tensor(rate));
     }
 
     fn average_on_device(

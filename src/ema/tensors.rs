@@ -83,9 +83,9 @@ impl<B: Backend> ModuleMapper<B> for Widen<'_> {
 /// The weight of the weights in an update of a device average.
 pub(super) enum Rate<B: Backend> {
     /// `1 − decay_n`, the count known on the host.
-    Host(f32),
+    Scalar(f32),
     /// `(1 − decay_n) · (1 − found_inf)`, f32 `[1]`.
-    Device(Tensor<B, 1>),
+    Tensor(Tensor<B, 1>),
 }
 
 /// One update of an average on the device, tensor by tensor against the model's (shapes
@@ -107,9 +107,9 @@ impl<B: Backend> ModuleMapper<B> for Average<'_, B> {
             // place where the backend can).
             let difference = weights.cast(FloatDType::F32) - average.clone();
             let step = match &self.rate {
-                Rate::Host(rate) => difference * *rate,
+                Rate::Scalar(rate) => difference * *rate,
                 // On the tensor's device (a model over several devices).
-                Rate::Device(rate) => {
+                Rate::Tensor(rate) => {
                     difference * rate.clone().to_device(&average.device()).reshape([1; D])
                 }
             };
