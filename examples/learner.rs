@@ -9,6 +9,7 @@
 //! cargo run --release --example learner -- --devices 2 --sharded
 //! cargo run --release --example learner -- --accum 2 --micro-batch 32 --epochs 4
 //! cargo run --release --example learner -- --epochs 4 --resume-epoch 3   # from a checkpoint
+//! cargo run --release --example learner -- --ema 0.98                    # + a weight average
 //! ```
 //!
 //! What differs from a plain burn-train program:
@@ -20,7 +21,10 @@
 //!   would sum, and hold a second copy);
 //! - `WindowedLrScheduler` around the cosine: `Learner` steps its scheduler per micro-batch,
 //!   the wrapper advances the cosine once per window, so the schedule counts optimizer steps;
-//! - two more metrics, the loss scale and the skipped steps.
+//! - two more metrics, the loss scale and the skipped steps;
+//! - with `--ema`, `EmaOptimizer` around it all: a weight average in f32 after each Adam step
+//!   (not after a micro-batch, not after a skipped step), in the checkpoints with the
+//!   optimizer's state, evaluated on the held-out batch beside the trained weights.
 //!
 //! `--devices N` lists the same device N times (what one CPU or one lavapipe can do): the
 //! workers are burn-train's threads, so the precision is set process-wide
@@ -65,6 +69,7 @@ use burn_amp::accumulate::WindowedLrScheduler;
 use burn_amp::amp_optimizer::{
     ActivationMemoryMetric, LossScaleMetric, SkippedStepsMetric, StepMemoryMetric,
 };
+use burn_amp::ema::{EmaConfig, EmaOptimizer};
 use burn_amp::kernels::AmpKernels;
 use burn_amp::memory::DeviceMemory;
 use burn_amp::scaler::GradScalerConfig;
@@ -129,6 +134,9 @@ struct Args {
     /// Resume from the checkpoint of this epoch (in --artifacts).
     #[arg(long)]
     resume_epoch: Option<usize>,
+    /// Keep a weight average of this decay (with warmup), evaluated beside the model.
+    #[arg(long)]
+    ema: Option<f64>,
 }
 
 // ------------------------------------------------------------------------ data
@@ -476,37 +484,55 @@ where
         args.micro_batch * args.accum * args.devices,
         args.backend,
     );
-    let mut training = SupervisedTraining::new(&args.artifacts, train_loader, valid_loader)
-        .metrics((LossMetric::new(), AccuracyMetric::new()))
-        .metric_train_numeric(LearningRateMetric::new())
-        .metric_train_numeric(LossScaleMetric::new(&monitor))
-        .metric_train_numeric(SkippedStepsMetric::new(&monitor))
-        .with_file_checkpointer(NamedMpkFileRecorder::<FullPrecisionSettings>::new())
-        .num_epochs(args.epochs)
-        .renderer(LineRenderer::new(args.print_every))
-        .summary();
-    if track_memory {
-        training = training
-            .metric_train_numeric(StepMemoryMetric::new(&monitor))
-            .metric_train_numeric(ActivationMemoryMetric::new(&monitor));
-    }
-    if args.devices > 1 {
-        let strategy = if args.sharded {
-            MultiDeviceOptim::OptimSharded
-        } else {
-            MultiDeviceOptim::OptimMainDevice
-        };
-        let devices = vec![device.clone(); args.devices];
-        training =
-            training.with_training_strategy(ExecutionStrategy::multi(devices, strategy).into());
-    }
-    if let Some(epoch) = args.resume_epoch {
-        // Restores the model, the scaler, the accumulation window with Adam's moments, and
-        // the windowed schedule's position.
-        training = training.checkpoint(epoch);
+    // A macro, not a value: the builder's type names the optimizer's, which `--ema` changes.
+    macro_rules! training {
+        () => {{
+            let mut training = SupervisedTraining::new(&args.artifacts, train_loader, valid_loader)
+                .metrics((LossMetric::new(), AccuracyMetric::new()))
+                .metric_train_numeric(LearningRateMetric::new())
+                .metric_train_numeric(LossScaleMetric::new(&monitor))
+                .metric_train_numeric(SkippedStepsMetric::new(&monitor))
+                .with_file_checkpointer(NamedMpkFileRecorder::<FullPrecisionSettings>::new())
+                .num_epochs(args.epochs)
+                .renderer(LineRenderer::new(args.print_every))
+                .summary();
+            if track_memory {
+                training = training
+                    .metric_train_numeric(StepMemoryMetric::new(&monitor))
+                    .metric_train_numeric(ActivationMemoryMetric::new(&monitor));
+            }
+            if args.devices > 1 {
+                let strategy = if args.sharded {
+                    MultiDeviceOptim::OptimSharded
+                } else {
+                    MultiDeviceOptim::OptimMainDevice
+                };
+                let devices = vec![device.clone(); args.devices];
+                training = training
+                    .with_training_strategy(ExecutionStrategy::multi(devices, strategy).into());
+            }
+            if let Some(epoch) = args.resume_epoch {
+                // Restores the model, the scaler, the accumulation window with Adam's moments,
+                // the windowed schedule's position, and with --ema the average.
+                training = training.checkpoint(epoch);
+            }
+            training
+        }};
     }
     let start = Instant::now();
-    let result = training.launch(Learner::new(model, optim, scheduler));
+    let (result, average) = match args.ema {
+        Some(decay) => {
+            let config = EmaConfig::new().with_decay(decay).with_warmup(true);
+            let optim = EmaOptimizer::new(optim, config)?;
+            let average = optim.average();
+            let result = training!().launch(Learner::new(model, optim, scheduler));
+            (result, Some(average))
+        }
+        None => (
+            training!().launch(Learner::new(model, optim, scheduler)),
+            None,
+        ),
+    };
     let wall = start.elapsed().as_secs_f64();
     let scaler = monitor.snapshot();
     let memory = monitor.step_memory();
@@ -519,9 +545,19 @@ where
     // A fresh held-out batch, on the inference model `Learner` returns (`Amp<IB>`).
     let (x, y) = ReversalTask::new(config.vocab, config.seq_len, args.seed + 2)
         .batch::<<B<IB> as AutodiffBackend>::InnerBackend>(256, &Default::default());
-    let accuracy = result.model.lm.accuracy(x, y);
+    let evaluate = |lm: &tiny_lm::TinyLm<_>| {
+        let loss = lm.loss(x.clone(), y.clone()).into_scalar().elem::<f32>();
+        (lm.accuracy(x.clone(), y.clone()), loss)
+    };
+    let (accuracy, loss) = evaluate(&result.model.lm);
+    let (ema_accuracy, ema_loss) = average
+        .and_then(|average| average.module())
+        .map(|m| evaluate(&m.lm))
+        .map_or(("null".into(), "null".into()), |(a, l)| {
+            (a.to_string(), l.to_string())
+        });
     println!(
-        "{{\"example\":\"learner\",\"backend\":\"{}\",\"precision\":\"{precision}\",\"devices\":{},\"sharded\":{},\"epochs\":{},\"micro_batch\":{},\"accum\":{},\"learner_iterations\":{},\"optimizer_steps\":{},\"skipped_steps\":{},\"loss_scale\":{},\"heldout_accuracy\":{accuracy},\"step_peak_bytes\":{},\"activation_bytes\":{},\"memory_growth_watched\":{track_memory},\"memory_growth_bytes_per_step\":{},\"wall_s\":{wall:.3}}}",
+        "{{\"example\":\"learner\",\"backend\":\"{}\",\"precision\":\"{precision}\",\"devices\":{},\"sharded\":{},\"epochs\":{},\"micro_batch\":{},\"accum\":{},\"learner_iterations\":{},\"optimizer_steps\":{},\"skipped_steps\":{},\"loss_scale\":{},\"heldout_accuracy\":{accuracy},\"heldout_loss\":{loss},\"ema_heldout_accuracy\":{ema_accuracy},\"ema_heldout_loss\":{ema_loss},\"step_peak_bytes\":{},\"activation_bytes\":{},\"memory_growth_watched\":{track_memory},\"memory_growth_bytes_per_step\":{},\"wall_s\":{wall:.3}}}",
         args.backend,
         args.devices,
         args.sharded,

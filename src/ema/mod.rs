@@ -10,7 +10,7 @@
 //!   (`tests/amp_optimizer/ema.rs`: 80 of 128 values never moved in 60 updates).
 //!   The average costs 4 bytes per trainable parameter.
 //! - **An optimizer step that was not taken is not averaged.** [`ModelEma::update_after`]
-//!   reads the [`AmpOptimizer`]'s last step: a micro-step inside an accumulation window
+//!   reads the [`AmpOptimizer`](crate::AmpOptimizer)'s last step: a micro-step inside an accumulation window
 //!   changed no weight and is passed over (PyTorch's loop calls the average once per
 //!   optimizer step), and a step skipped on an overflow leaves the average and its count
 //!   exactly as they were, on the device (no host read: the overflow flag multiplies the
@@ -32,6 +32,11 @@
 //! the weights to the host (in their dtype) and averages there, so it waits for the device.
 //! With [`update_every`](EmaConfig::update_every) that cost is paid every n-th step:
 //! a decay per update of `d` is a horizon of `n / (1 − d)` steps.
+//!
+//! ## Where the loop is not yours
+//! [`EmaOptimizer`] wraps the optimizer and updates after each of its steps (burn-train's
+//! `Learner` has no hook after the step); the average is in the optimizer's record, so
+//! `Learner`'s checkpoints hold it, and [`SharedEma`] reads it during or after training.
 
 use burn::config::Config;
 use burn::module::{AutodiffModule, Module};
@@ -40,13 +45,15 @@ use burn::tensor::backend::AutodiffBackend;
 use serde::{Deserialize, Serialize};
 use thiserror::Error;
 
-use crate::AmpOptimizer;
 use crate::grads::f32_scalar;
 use crate::record::ExactTensor;
-use crate::scaler::ScalerKernels;
 
+mod last_step;
+mod optimizer;
 mod tensors;
 
+pub use last_step::{LastStep, StepOutcome};
+pub use optimizer::{EmaOptimizer, EmaOptimizerRecord, SharedEma};
 pub use tensors::HostTensor;
 use tensors::{Average, Offload, Rate, Refresh, Trained, TrainedTensor, Upload, Widen};
 
@@ -75,6 +82,19 @@ pub struct EmaConfig {
     /// Where the average lives.
     #[config(default = "EmaPlacement::Device")]
     pub placement: EmaPlacement,
+}
+
+impl EmaConfig {
+    /// Checks the decay and `update_every`.
+    pub fn validate(&self) -> Result<(), EmaError> {
+        if !(0.0..1.0).contains(&self.decay) {
+            return Err(EmaError::InvalidDecay(self.decay));
+        }
+        if self.update_every == 0 {
+            return Err(EmaError::InvalidUpdateEvery);
+        }
+        Ok(())
+    }
 }
 
 /// What went wrong with a [`ModelEma`].
@@ -156,12 +176,7 @@ pub type ModelEmaRecord<B, M> = (
 impl<B: AutodiffBackend, M: AutodiffModule<B>> ModelEma<B, M> {
     /// The average of `model`, starting at its current weights.
     pub fn new(model: &M, config: EmaConfig) -> Result<Self, EmaError> {
-        if !(0.0..1.0).contains(&config.decay) {
-            return Err(EmaError::InvalidDecay(config.decay));
-        }
-        if config.update_every == 0 {
-            return Err(EmaError::InvalidUpdateEvery);
-        }
+        config.validate()?;
         let trained = Trained::<B>::of(model);
         let flags = trained.flags();
         let (module, host) = match config.placement {
@@ -226,7 +241,7 @@ impl<B: AutodiffBackend, M: AutodiffModule<B>> ModelEma<B, M> {
     }
 
     /// Averages `model`'s current weights in: call it after each optimizer step. With an
-    /// [`AmpOptimizer`], [`update_after`](Self::update_after) passes over the steps that were
+    /// [`AmpOptimizer`](crate::AmpOptimizer), [`update_after`](Self::update_after) passes over the steps that were
     /// not taken.
     pub fn update(&mut self, model: &M) -> Result<(), EmaError> {
         self.update_unless(model, None)
@@ -235,14 +250,17 @@ impl<B: AutodiffBackend, M: AutodiffModule<B>> ModelEma<B, M> {
     /// Averages `model`'s weights in if `optim`'s last call took an optimizer step: nothing
     /// after a micro-step inside an accumulation window; after a step skipped on an
     /// overflow, the average and its count stay as they were (on the device, no read).
-    pub fn update_after<O>(&mut self, model: &M, optim: &AmpOptimizer<O, B>) -> Result<(), EmaError>
-    where
-        B::InnerBackend: ScalerKernels,
-    {
-        if !optim.last_step_taken() {
-            return Ok(());
+    /// `optim`: an [`AmpOptimizer`](crate::AmpOptimizer), Burn's optimizers, anything [`StepOutcome`].
+    pub fn update_after<O: StepOutcome<B>>(
+        &mut self,
+        model: &M,
+        optim: &O,
+    ) -> Result<(), EmaError> {
+        match optim.last_step() {
+            LastStep::Accumulated => Ok(()),
+            LastStep::Taken => self.update_unless(model, None),
+            LastStep::Checked(found_inf) => self.update_unless(model, Some(found_inf)),
         }
-        self.update_unless(model, optim.last_found_inf())
     }
 
     /// Averages `model`'s weights in unless `found_inf` (f32 `[1]`, 0 or 1, on the device) is

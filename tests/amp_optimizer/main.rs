@@ -10,6 +10,7 @@
 #[path = "../common/mod.rs"]
 mod common;
 mod ema;
+mod ema_optimizer;
 mod from_burn;
 mod maximize;
 mod param_groups;

@@ -7,7 +7,9 @@
 //!   accumulation of 4 the window is skipped once;
 //! - Learner's own checkpointer saves and restores the scaler;
 //! - several devices (the same device listed twice: what this machine can open), both
-//!   `MultiDeviceOptim` variants: one skip decision for every worker.
+//!   `MultiDeviceOptim` variants: one skip decision for every worker;
+//! - a weight average kept by the optimizer (`EmaOptimizer`): the skipped steps passed over,
+//!   saved and restored by the checkpointer with the optimizer's state.
 //!
 //! Layout: `user_code.rs` is a plain burn-train program (no burn-amp in it), `harness.rs`
 //! runs it under `Learner` and records the metrics; the tests are here.
@@ -43,6 +45,7 @@ use burn::train::{
 use burn_amp::amp_optimizer::{
     ActivationMemoryMetric, LossScaleMetric, ScalerMonitor, SkippedStepsMetric, StepMemoryMetric,
 };
+use burn_amp::ema::{EmaConfig, EmaOptimizer};
 use burn_amp::memory::DeviceMemory;
 use burn_amp::optim::FusedAdamWConfig;
 use burn_amp::scaler::{GradScalerConfig, ScaledStep};
@@ -327,12 +330,62 @@ fn learners_checkpointer_saves_and_restores_the_scaler() {
     assert!(diff < 1e-6, "resumed parameters differ by {diff}");
 }
 
+/// `EmaOptimizer` around `AmpOptimizer` under `Learner`, a poisoned batch in each epoch: 3 epochs
+/// in one go, and 1 epoch then a resume from its checkpoint to 3, give the same average and
+/// count (the average is in the optimizer's record), and the skipped step is not averaged.
+#[test]
+fn learners_checkpointer_saves_and_restores_the_average() {
+    let _s = serial();
+    let _g = autocast(Precision::F16);
+    let make = || {
+        let config = EmaConfig::new().with_decay(0.95).with_warmup(true);
+        EmaOptimizer::new(wrapped(adam::<F>()), config).unwrap()
+    };
+    let average_of = |optim: &EmaOptimizer<_, F, Classifier<F>>| optim.average();
+
+    let optim = make();
+    let average = average_of(&optim);
+    let mut run = Run::<F>::new("ema-full", Default::default());
+    (run.epochs, run.poison) = (3, &[4]);
+    let uninterrupted = fit(run, optim);
+    let expected = common::models::params(&average.module().unwrap().mlp);
+    // 16 iterations an epoch, the poisoned batch skipped in each.
+    assert_eq!(average.updates(), 45);
+
+    let mut run = Run::<F>::new("ema-resume", Default::default());
+    (run.epochs, run.poison, run.checkpoint) = (1, &[4], true);
+    fit(run, make());
+    let optim = make();
+    let average = average_of(&optim);
+    let mut run = Run::<F>::new("ema-resume", Default::default());
+    (run.epochs, run.poison, run.checkpoint, run.resume) = (3, &[4], true, Some(1));
+    fit_keep(run, optim);
+    assert_eq!(average.updates(), 45, "resumed count");
+    let got = common::models::params(&average.module().unwrap().mlp);
+    let diff = got
+        .iter()
+        .zip(&expected)
+        .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+    assert!(diff < 1e-6, "resumed average differs by {diff}");
+    let from_weights = expected
+        .iter()
+        .zip(&uninterrupted.params)
+        .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+    assert!(
+        from_weights > 1e-3,
+        "the average is the weights: {from_weights}"
+    );
+}
+
 fn multi_device(strategy: MultiDeviceOptim, name: &str) {
     // The workers are burn-train's threads: the process-wide precision reaches them.
     let previous = set_default_precision(Some(Precision::F16));
     let device: burn::tensor::Device<F> = Default::default();
     let optim = wrapped(adam::<F>());
     let monitor = optim.monitor();
+    // A weight average over it: `step_multi` goes through.
+    let optim = EmaOptimizer::new(optim, EmaConfig::new().with_decay(0.9)).unwrap();
+    let average = optim.average();
     let mut run = Run::<F>::new(name, device);
     run.epochs = 2;
     run.poison = &[6];
@@ -347,6 +400,10 @@ fn multi_device(strategy: MultiDeviceOptim, name: &str) {
     // one worker and the whole step is skipped, once per epoch.
     assert_eq!(snapshot.optimizer_steps, 16);
     assert_eq!(snapshot.skipped_steps, 2);
+    assert_eq!(average.updates(), 14, "the skipped steps are not averaged");
+    let averaged = common::models::params(&average.module().unwrap().mlp);
+    assert!(averaged.iter().all(|p| p.is_finite()));
+    assert_ne!(averaged, outcome.params, "the average is the weights");
     assert_eq!(snapshot.scale, 16384.0);
     let finite: Vec<f64> = loss.iter().copied().filter(|l| l.is_finite()).collect();
     assert_eq!(
