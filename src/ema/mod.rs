@@ -112,6 +112,21 @@ pub enum EmaError {
          after every step"
     )]
     InvalidUpdateEvery,
+    /// A record loaded into the average is not of the model the average was made from.
+    #[error(
+        "the record's float tensor {index} has shape {found:?} where this average's model has \
+         {expected:?} (of {count} tensors): load a record saved from the same model"
+    )]
+    RecordMismatch {
+        /// The tensor's position in the module's traversal.
+        index: usize,
+        /// Its shape in this average's model (empty when it has no tensor there).
+        expected: Vec<usize>,
+        /// Its shape in the record (empty when the record has no tensor there).
+        found: Vec<usize>,
+        /// How many float tensors the average holds.
+        count: usize,
+    },
     /// The model passed to `update` does not have the float tensors the average was made
     /// from.
     #[error(
@@ -387,16 +402,14 @@ impl<B: AutodiffBackend, M: AutodiffModule<B>> ModelEma<B, M> {
 
     /// The model's float tensors against the average's, shape by shape.
     fn check_shapes(&self, model: &[TrainedTensor<B::InnerBackend>]) -> Result<(), EmaError> {
-        let ours = &self.shapes;
-        let count = ours.len();
-        let theirs = |i: usize| model.get(i).map(|t| &t.shape);
-        match (0..count.max(model.len())).find(|&i| ours.get(i) != theirs(i)) {
+        let theirs: Vec<Vec<usize>> = model.iter().map(|t| t.shape.clone()).collect();
+        match first_difference(&self.shapes, &theirs) {
             None => Ok(()),
-            Some(index) => Err(EmaError::ModelMismatch {
+            Some((index, expected, found)) => Err(EmaError::ModelMismatch {
                 index,
-                expected: ours.get(index).cloned().unwrap_or_default(),
-                found: theirs(index).cloned().unwrap_or_default(),
-                count,
+                expected,
+                found,
+                count: self.shapes.len(),
             }),
         }
     }
@@ -417,8 +430,45 @@ impl<B: AutodiffBackend, M: AutodiffModule<B>> ModelEma<B, M> {
 
     /// Loads a saved average, its count and its phase of `update_every`, saved with either
     /// placement.
-    pub fn load_record(mut self, (module, updates, host, calls): ModelEmaRecord<B, M>) -> Self {
-        let module = self.module.take().expect(LOST).load_record(module);
+    ///
+    /// # Panics
+    /// When the record is of another model ([`try_load_record`](Self::try_load_record) returns
+    /// the error).
+    pub fn load_record(mut self, record: ModelEmaRecord<B, M>) -> Self {
+        self.try_load_record(record)
+            .unwrap_or_else(|e| panic!("burn-amp: ModelEma::load_record: {e}"));
+        self
+    }
+
+    /// As [`load_record`](Self::load_record), the average unchanged when the record is of
+    /// another model (Burn's `load_record` takes any shapes; the next update would fail inside
+    /// Burn).
+    pub fn try_load_record(
+        &mut self,
+        (module, updates, host, calls): ModelEmaRecord<B, M>,
+    ) -> Result<(), EmaError> {
+        let module = self.module.clone().expect(LOST).load_record(module);
+        let mut shapes = tensors::FloatShapes::default();
+        module.visit(&mut shapes);
+        // A host average's trained tensors are placeholders in the module: their shapes are
+        // the host tensors'.
+        let saved: Vec<Vec<usize>> = shapes
+            .0
+            .into_iter()
+            .enumerate()
+            .map(|(i, shape)| match host.get(i) {
+                Some(Some(t)) => t.shape().to_vec(),
+                _ => shape,
+            })
+            .collect();
+        if let Some((index, expected, found)) = first_difference(&self.shapes, &saved) {
+            return Err(EmaError::RecordMismatch {
+                index,
+                expected,
+                found,
+                count: self.shapes.len(),
+            });
+        }
         let saved_on_host = host.iter().any(Option::is_some);
         self.calls = calls;
         let module = match (self.config.placement, saved_on_host) {
@@ -447,8 +497,18 @@ impl<B: AutodiffBackend, M: AutodiffModule<B>> ModelEma<B, M> {
                 device,
             });
         }
-        self
+        Ok(())
     }
+}
+
+/// The first index where two lists of shapes differ (a missing shape as empty), with both.
+fn first_difference(
+    ours: &[Vec<usize>],
+    theirs: &[Vec<usize>],
+) -> Option<(usize, Vec<usize>, Vec<usize>)> {
+    let index = (0..ours.len().max(theirs.len())).find(|&i| ours.get(i) != theirs.get(i))?;
+    let shape = |list: &[Vec<usize>]| list.get(index).cloned().unwrap_or_default();
+    Some((index, shape(ours), shape(theirs)))
 }
 
 /// A module whose tensors flagged in `trained` moved to host memory (f32), placeholders left.

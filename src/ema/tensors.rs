@@ -60,6 +60,16 @@ impl<B: AutodiffBackend> ModuleVisitor<B> for Trained<B> {
     }
 }
 
+/// A module's float tensors' shapes, in traversal order.
+#[derive(Default)]
+pub(super) struct FloatShapes(pub Vec<Vec<usize>>);
+
+impl<B: Backend> ModuleVisitor<B> for FloatShapes {
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+        self.0.push(param.val().dims().to_vec());
+    }
+}
+
 /// The model's inner module with its trained tensors in f32.
 pub(super) struct Widen<'a> {
     pub trained: &'a [bool],
@@ -138,6 +148,10 @@ impl HostTensor {
             data: data.into_vec::<f32>().expect("converted to f32"),
             shape,
         }
+    }
+
+    pub(super) fn shape(&self) -> &[usize] {
+        &self.shape
     }
 
     /// `a ← a + (w − a) · rate`, element by element in f32, as the device's update.

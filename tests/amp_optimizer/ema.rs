@@ -450,3 +450,36 @@ fn a_large_host_average_is_the_device_average() {
         );
     }
 }
+
+/// A record of another model (a narrower hidden layer), saved and loaded in either placement:
+/// a typed error naming the first tensor that differs, and the average as it was (Burn's
+/// `load_record` takes any shapes, and the next update failed inside Burn's `sub`).
+#[test]
+fn a_record_of_another_model_is_refused() {
+    let _s = serial();
+    let device = Default::default();
+    let wide_model = Mlp::<B>::new(D_IN, 32, CLASSES, &device);
+    for saved_in in PLACEMENTS {
+        let narrow = ModelEma::new(&model(&device), EmaConfig::new().with_placement(saved_in));
+        let saved = common::save::<Inner, _>(narrow.unwrap().to_record());
+        for loaded_in in PLACEMENTS {
+            let config = EmaConfig::new().with_decay(0.5).with_placement(loaded_in);
+            let mut wide = ModelEma::new(&wide_model, config).unwrap();
+            let before = params(&wide.module());
+            let err = wide
+                .try_load_record(common::load::<Inner, _>(saved.clone(), &device))
+                .unwrap_err();
+            let want = EmaError::RecordMismatch {
+                index: 0,
+                expected: vec![D_IN, 32],
+                found: vec![D_IN, 16],
+                count: 4,
+            };
+            assert_eq!(err, want, "saved {saved_in:?}, loaded {loaded_in:?}");
+            assert!(err.to_string().contains("saved from the same model"), "{err}");
+            assert_eq!(params(&wide.module()), before, "the average changed");
+            wide.update(&wide_model).unwrap();
+            assert_eq!(wide.updates(), 1);
+        }
+    }
+}
