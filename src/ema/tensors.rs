@@ -111,7 +111,9 @@ impl<B: Backend> ModuleMapper<B> for Average<'_, B> {
         let w = &self.model[self.index];
         self.index += 1;
         let (id, average, mapper) = param.consume();
-        let weights = tensor::<B, D>(w.tensor.clone());
+        // The average stays on the device it was made on; weights stepped elsewhere (a DDP
+        // worker's clone, a sharded step) come to it. The same device: no copy.
+        let weights = tensor::<B, D>(w.tensor.clone()).to_device(&average.device());
         let value = if w.trained {
             // The difference first, so that the average is unique when it is added to (in
             // place where the backend can).
@@ -290,7 +292,7 @@ impl<B: Backend> ModuleMapper<B> for Refresh<'_, B> {
         let value = match self.host[i] {
             Some(_) if is_placeholder(&value) => value,
             Some(_) => placeholder(&value.device()),
-            None => tensor(self.model[i].tensor.clone()),
+            None => tensor(self.model[i].tensor.clone()).to_device(&value.device()),
         };
         Param::from_mapped_value(id, value, mapper)
     }
