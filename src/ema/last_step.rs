@@ -28,12 +28,12 @@ pub enum LastStep<B: Backend> {
 /// [`EmaOptimizer`](crate::ema::EmaOptimizer)). Burn's `OptimizerAdaptor` (what
 /// `AdamConfig::init` and the others return) always steps; implement it for an optimizer of
 /// your own that may not.
-pub trait StepOutcome<B: AutodiffBackend> {
+pub trait ReportsLastStep<B: AutodiffBackend> {
     /// What the last call to `step` did.
     fn last_step(&self) -> LastStep<B::InnerBackend>;
 }
 
-impl<O, B> StepOutcome<B> for AmpOptimizer<O, B>
+impl<O, B> ReportsLastStep<B> for AmpOptimizer<O, B>
 where
     B: AutodiffBackend,
     B::InnerBackend: ScalerKernels,
@@ -47,7 +47,7 @@ where
     }
 }
 
-impl<O, B: AutodiffBackend> StepOutcome<B> for GradientAccumulation<O, B> {
+impl<O, B: AutodiffBackend> ReportsLastStep<B> for GradientAccumulation<O, B> {
     /// A window that just closed stepped its optimizer (unscaled: a scaled one is inside an
     /// [`AmpOptimizer`], which reports the check).
     fn last_step(&self) -> LastStep<B::InnerBackend> {
@@ -58,7 +58,7 @@ impl<O, B: AutodiffBackend> StepOutcome<B> for GradientAccumulation<O, B> {
     }
 }
 
-impl<O, M, B> StepOutcome<B> for OptimizerAdaptor<O, M, B>
+impl<O, M, B> ReportsLastStep<B> for OptimizerAdaptor<O, M, B>
 where
     O: SimpleOptimizer<B::InnerBackend>,
     M: AutodiffModule<B>,
@@ -69,7 +69,7 @@ where
     }
 }
 
-impl<O, M, B> StepOutcome<B> for ScaledAdaptor<O, M, B>
+impl<O, M, B> ReportsLastStep<B> for ScaledAdaptor<O, M, B>
 where
     O: ScaledSimpleOptimizer<B::InnerBackend>,
     M: AutodiffModule<B>,

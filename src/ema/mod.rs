@@ -52,7 +52,7 @@ mod last_step;
 mod optimizer;
 mod tensors;
 
-pub use last_step::{LastStep, StepOutcome};
+pub use last_step::{LastStep, ReportsLastStep};
 pub use optimizer::{EmaOptimizer, EmaOptimizerRecord, SharedEma};
 pub use tensors::HostTensor;
 use tensors::{Average, Offload, Rate, Refresh, Trained, TrainedTensor, Upload, Widen};
@@ -265,8 +265,8 @@ impl<B: AutodiffBackend, M: AutodiffModule<B>> ModelEma<B, M> {
     /// Averages `model`'s weights in if `optim`'s last call took an optimizer step: nothing
     /// after a micro-step inside an accumulation window; after a step skipped on an
     /// overflow, the average and its count stay as they were (on the device, no read).
-    /// `optim`: an [`AmpOptimizer`](crate::AmpOptimizer), Burn's optimizers, anything [`StepOutcome`].
-    pub fn update_after<O: StepOutcome<B>>(
+    /// `optim`: an [`AmpOptimizer`](crate::AmpOptimizer), Burn's optimizers, anything [`ReportsLastStep`].
+    pub fn update_after<O: ReportsLastStep<B>>(
         &mut self,
         model: &M,
         optim: &O,

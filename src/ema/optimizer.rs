@@ -8,7 +8,7 @@ use burn::prelude::*;
 use burn::record::{FullPrecisionSettings, PrecisionSettings, Record};
 use burn::tensor::backend::AutodiffBackend;
 
-use super::last_step::StepOutcome;
+use super::last_step::ReportsLastStep;
 use super::{EmaConfig, EmaError, ModelEma, ModelEmaRecord};
 
 /// An optimizer that averages the weights after each step it takes, for loops that are not
@@ -45,6 +45,15 @@ impl<O: Clone, B: AutodiffBackend, M: AutodiffModule<B>> Clone for EmaOptimizer<
     }
 }
 
+impl<O, B: AutodiffBackend, M: AutodiffModule<B>> core::fmt::Debug for EmaOptimizer<O, B, M> {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        f.debug_struct("EmaOptimizer")
+            .field("steps", &self.steps)
+            .field("average", &self.average)
+            .finish_non_exhaustive()
+    }
+}
+
 /// The average an [`EmaOptimizer`] keeps: a handle, for evaluating it during or after
 /// training.
 pub struct SharedEma<B: AutodiffBackend, M: AutodiffModule<B>>(Arc<Mutex<EmaState<B, M>>>);
@@ -52,6 +61,17 @@ pub struct SharedEma<B: AutodiffBackend, M: AutodiffModule<B>>(Arc<Mutex<EmaStat
 impl<B: AutodiffBackend, M: AutodiffModule<B>> Clone for SharedEma<B, M> {
     fn clone(&self) -> Self {
         Self(self.0.clone())
+    }
+}
+
+impl<B: AutodiffBackend, M: AutodiffModule<B>> core::fmt::Debug for SharedEma<B, M> {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        let state = self.lock();
+        f.debug_struct("SharedEma")
+            .field("config", &state.config)
+            .field("made", &state.ema.is_some())
+            .field("pending", &state.pending.is_some())
+            .finish()
     }
 }
 
@@ -96,7 +116,7 @@ impl<B: AutodiffBackend, M: AutodiffModule<B>> Record<B> for EmaOptimizerRecord<
 }
 
 impl<O, B: AutodiffBackend, M: AutodiffModule<B>> EmaOptimizer<O, B, M> {
-    /// Wraps `optimizer` (anything that tells what its step did, [`StepOutcome`]: an
+    /// Wraps `optimizer` (anything that tells what its step did, [`ReportsLastStep`]: an
     /// [`AmpOptimizer`](crate::AmpOptimizer), Burn's optimizers, a
     /// [`GradientAccumulation`](crate::GradientAccumulation)).
     pub fn new(optimizer: O, config: EmaConfig) -> Result<Self, EmaError> {
@@ -132,7 +152,7 @@ impl<O, B: AutodiffBackend, M: AutodiffModule<B>> EmaOptimizer<O, B, M> {
     /// update (unless another clone has averaged this step).
     fn step_with(&mut self, module: M, step: impl FnOnce(&mut O, M) -> M) -> M
     where
-        O: StepOutcome<B>,
+        O: ReportsLastStep<B>,
     {
         self.steps += 1;
         self.average.lock().make(&module);
@@ -229,7 +249,7 @@ impl<M, B, O> Optimizer<M, B> for EmaOptimizer<O, B, M>
 where
     M: AutodiffModule<B>,
     B: AutodiffBackend,
-    O: Optimizer<M, B> + StepOutcome<B>,
+    O: Optimizer<M, B> + ReportsLastStep<B>,
 {
     /// The wrapped optimizer's record and the average's.
     type Record = (O::Record, EmaOptimizerRecord<B, M>);

@@ -476,7 +476,10 @@ fn a_record_of_another_model_is_refused() {
                 count: 4,
             };
             assert_eq!(err, want, "saved {saved_in:?}, loaded {loaded_in:?}");
-            assert!(err.to_string().contains("saved from the same model"), "{err}");
+            assert!(
+                err.to_string().contains("saved from the same model"),
+                "{err}"
+            );
             assert_eq!(params(&wide.module()), before, "the average changed");
             wide.update(&wide_model).unwrap();
             assert_eq!(wide.updates(), 1);
