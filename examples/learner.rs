@@ -10,6 +10,7 @@
 //! cargo run --release --example learner -- --accum 2 --micro-batch 32 --epochs 4
 //! cargo run --release --example learner -- --epochs 4 --resume-epoch 3   # from a checkpoint
 //! cargo run --release --example learner -- --ema 0.98                    # + a weight average
+//! cargo run --release --example learner -- --clip 1.0                    # + global-norm clipping
 //! ```
 //!
 //! What differs from a plain burn-train program:
@@ -67,13 +68,13 @@ use burn::train::{
 };
 use burn_amp::accumulate::WindowedLrScheduler;
 use burn_amp::amp_optimizer::{
-    ActivationMemoryMetric, LossScaleMetric, SkippedStepsMetric, StepMemoryMetric,
+    ActivationMemoryMetric, GradNormMetric, LossScaleMetric, SkippedStepsMetric, StepMemoryMetric,
 };
 use burn_amp::ema::{EmaConfig, EmaOptimizer};
 use burn_amp::kernels::AmpKernels;
 use burn_amp::memory::DeviceMemory;
 use burn_amp::scaler::GradScalerConfig;
-use burn_amp::{Amp, AmpOptimizer, GradientAccumulation, Precision, set_default_precision};
+use burn_amp::{Amp, AmpOptimizer, GradientAccumulationConfig, Precision, set_default_precision};
 use clap::Parser;
 use tiny_lm::{ReversalTask, TinyLm, TinyLmConfig};
 
@@ -134,6 +135,10 @@ struct Args {
     /// Resume from the checkpoint of this epoch (in --artifacts).
     #[arg(long)]
     resume_epoch: Option<usize>,
+    /// Clip each optimizer step's gradients to this global norm (and show the norm as a
+    /// metric).
+    #[arg(long)]
+    clip: Option<f32>,
     /// Keep a weight average of this decay (with warmup), evaluated beside the model.
     #[arg(long)]
     ema: Option<f64>,
@@ -458,7 +463,9 @@ where
     // (a pass-through at bf16/f32).
     let adam = AdamConfig::new().init::<B<IB>, Reverser<B<IB>>>();
     let mut optim = AmpOptimizer::new(
-        GradientAccumulation::new(adam, args.accum)?,
+        GradientAccumulationConfig::new(args.accum)
+            .with_max_grad_norm(args.clip)
+            .init(adam)?,
         GradScalerConfig::new(),
     )?;
     // Allocator figures exist on wgpu (CubeCL), not on Flex.
@@ -496,6 +503,9 @@ where
                 .num_epochs(args.epochs)
                 .renderer(LineRenderer::new(args.print_every))
                 .summary();
+            if args.clip.is_some() {
+                training = training.metric_train_numeric(GradNormMetric::new(&monitor));
+            }
             if track_memory {
                 training = training
                     .metric_train_numeric(StepMemoryMetric::new(&monitor))

@@ -124,6 +124,7 @@ impl GradientAccumulationConfig {
             micro_batches: self.micro_batches,
             reduction: self.reduction,
             max_grad_norm: self.max_grad_norm,
+            last_grad_norm: None,
             buffers: HashMap::new(),
             micro_step: 0,
             optimizer_steps: 0,

@@ -139,6 +139,8 @@ pub struct GradientAccumulation<O, B: AutodiffBackend> {
     micro_batches: usize,
     reduction: Reduction,
     max_grad_norm: Option<f32>,
+    /// The global norm of the last window's gradients before clipping (with `max_grad_norm`).
+    last_grad_norm: Option<Tensor<Inner<B>, 1>>,
     buffers: HashMap<ParamId, Buffer<Inner<B>>>,
     micro_step: usize,
     optimizer_steps: u64,
@@ -199,6 +201,14 @@ impl<O, B: AutodiffBackend> GradientAccumulation<O, B> {
     /// the moment to advance a learning-rate schedule (see the [module docs](self)).
     pub fn is_boundary(&self) -> bool {
         self.micro_step + 1 == self.micro_batches
+    }
+
+    /// The global L2 norm of the last closed window's gradients, unscaled, before clipping
+    /// (what `torch.nn.utils.clip_grad_norm_` returns): f32 `[1]` on the device, not read;
+    /// inf or NaN for a window that overflowed. Computed by the clipping: `None` without
+    /// `max_grad_norm`, or before the first boundary.
+    pub fn last_grad_norm(&self) -> Option<Tensor<Inner<B>, 1>> {
+        self.last_grad_norm.clone()
     }
 
     /// Windows closed so far: the optimizer steps taken, counting a window that the scaler
@@ -338,7 +348,7 @@ impl<O, B: AutodiffBackend> GradientAccumulation<O, B> {
         }
         let mut list = self.take_window(module).widened();
         if let Some(max_norm) = self.max_grad_norm {
-            list.clip_by_global_norm(max_norm);
+            self.last_grad_norm = list.clip_by_global_norm(max_norm);
         }
         Ok(Some(list))
     }
@@ -488,7 +498,7 @@ where
             // Clipping needs true values: unscale the f32 sums (and check) in one pass.
             (Some(max_norm), Some(inv)) => {
                 let (mut list, found) = list.unscale_and_check(inv.clone(), found);
-                list.clip_by_global_norm(max_norm);
+                self.last_grad_norm = list.clip_by_global_norm(max_norm);
                 let signals = ScaleSignals {
                     inv_scale: None,
                     found_inf: Some(found),
@@ -513,5 +523,9 @@ where
     /// [`discard_window`](GradientAccumulation::discard_window).
     fn holds_scaled_gradients(&self) -> bool {
         matches!(self.window, Window::Scaled(_))
+    }
+
+    fn last_grad_norm(&self) -> Option<Tensor<Inner<B>, 1>> {
+        self.last_grad_norm.clone()
     }
 }

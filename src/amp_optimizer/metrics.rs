@@ -76,6 +76,7 @@ pub struct StepMemoryFigures {
 }
 
 type Reader = Box<dyn Fn() -> (f32, f32) + Send>;
+type NormReader = Box<dyn Fn() -> f32 + Send>;
 
 /// Reads the bytes in use on a device (`&B::Device` as `&dyn Any`), with the backward passes
 /// so far where the backend counts them; `None` without figures.
@@ -112,6 +113,10 @@ struct MonitorState {
     resting: Option<(f32, u64)>,
     /// The last read, and the step count it was made at.
     cached: Option<(u64, ScalerSnapshot)>,
+    /// Reads the last optimizer step's gradient norm, where the optimizer computed one.
+    grad_norm: Option<NormReader>,
+    /// The last read of it, and the step count it was made at.
+    cached_norm: Option<(u64, f32)>,
 }
 
 /// A shared view of an [`AmpOptimizer`](super::AmpOptimizer)'s scaler: clones see the same
@@ -160,6 +165,33 @@ impl ScalerMonitor {
                 )
             }));
         }
+    }
+
+    /// Called by the optimizer after an optimizer step (taken or skipped): the global norm of
+    /// its gradients, when it computed one (a device tensor: nothing is read here).
+    pub(crate) fn record_grad_norm<B: Backend>(&self, norm: Option<Tensor<B, 1>>) {
+        let mut state = self.lock();
+        state.cached_norm = None;
+        state.grad_norm = norm.map(|norm| -> NormReader {
+            Box::new(move || norm.clone().into_scalar().elem::<f32>())
+        });
+    }
+
+    /// The global L2 norm of the last optimizer step's gradients, unscaled and before
+    /// clipping (inf or NaN for a step skipped on an overflow): one read from the device per
+    /// optimizer step. `None` before the first, or where no norm is computed (it is the
+    /// clipping's: `GradientAccumulationConfig::with_max_grad_norm`).
+    pub fn grad_norm(&self) -> Option<f32> {
+        let mut state = self.lock();
+        let steps = state.optimizer_steps;
+        if let Some((at, norm)) = state.cached_norm
+            && at == steps
+        {
+            return Some(norm);
+        }
+        let norm = state.grad_norm.as_ref()?();
+        state.cached_norm = Some((steps, norm));
+        Some(norm)
     }
 
     /// Turns memory sampling on: every `every`-th micro-step (at least 1) through `probe`.
@@ -341,6 +373,18 @@ scaler_metric!(
     "Skipped Steps",
     0,
     |m| m.snapshot().skipped_steps as f64
+);
+
+scaler_metric!(
+    /// The global L2 norm of the last optimizer step's gradients, unscaled and before clipping
+    /// (PyTorch's `clip_grad_norm_` return value, Lightning's `grad_norm`): a spike before a
+    /// loss spike, inf or NaN at a skipped step. Computed by the clipping of a
+    /// `GradientAccumulation` with `max_grad_norm` (a window of 1 without accumulation); NaN
+    /// without it.
+    GradNormMetric,
+    "Gradient Norm",
+    4,
+    |m| m.grad_norm().map_or(f64::NAN, f64::from)
 );
 
 scaler_metric!(

@@ -82,8 +82,8 @@ use burn::tensor::backend::DeviceOps;
 use thiserror::Error;
 
 pub use metrics::{
-    ActivationMemoryMetric, LossScaleMetric, ScalerMonitor, ScalerSnapshot, SkippedStepsMetric,
-    StepCounts, StepMemoryFigures, StepMemoryMetric,
+    ActivationMemoryMetric, GradNormMetric, LossScaleMetric, ScalerMonitor, ScalerSnapshot,
+    SkippedStepsMetric, StepCounts, StepMemoryFigures, StepMemoryMetric,
 };
 
 use metrics::{MemoryProbe, SamplePoint};
@@ -376,6 +376,9 @@ where
         self.monitor.sample(SamplePoint::StepStart, &device);
         let (module, stepped, figures) = self.step_on(&device, lr, module, grads)?;
         self.last_step_taken = stepped;
+        if stepped {
+            self.monitor.record_grad_norm(self.inner.last_grad_norm());
+        }
         self.monitor.sample(SamplePoint::StepEnd, &device);
         self.monitor.record(stepped, figures);
         crate::doctor::step_boundary();

@@ -83,6 +83,14 @@ pub trait ScaledStep<M: AutodiffModule<B>, B: AutodiffBackend> {
     fn holds_scaled_gradients(&self) -> bool {
         false
     }
+
+    /// The global L2 norm of the last step's gradients (unscaled, before clipping), f32 `[1]`
+    /// on the device, where the optimizer computes it (a
+    /// [`GradientAccumulation`](crate::GradientAccumulation) that clips); `None` elsewhere.
+    /// What [`GradNormMetric`](crate::amp_optimizer::GradNormMetric) shows.
+    fn last_grad_norm(&self) -> Option<Tensor<B::InnerBackend, 1>> {
+        None
+    }
 }
 
 /// Any Burn [`Optimizer`] as a [`ScaledStep`]: one host read of `found_inf` per step. Burn's

@@ -137,5 +137,15 @@ fn update_norm<B: Backend>(model: &Mlp<B>, init: &Mlp<B>) -> f64 {
         .sqrt()
 }
 
+/// The norm a clipping window reported against `want`, its unclipped update's (SGD, lr 1),
+/// within `rel`; `want` well above `max_norm`, so that the window was clipped.
+fn assert_norm_before_clipping(reported: f64, want: f64, max_norm: f32, rel: f64) {
+    assert!(want > 10.0 * max_norm as f64, "not clipped: {want}");
+    assert!(
+        (reported - want).abs() < rel * want,
+        "norm {reported}, want {want}"
+    );
+}
+
 const N: usize = 4;
 const MICRO: usize = 8;

@@ -367,6 +367,22 @@ fn clipping_bounds_the_global_norm_of_the_window() {
     // SGD with lr 1: the update is the clipped gradient.
     let norm = update_norm(&model, &init);
     assert!((norm - max_norm as f64).abs() < 1e-5, "update norm {norm}");
+
+    // The norm before clipping, as `clip_grad_norm_` returns it: the update of the same
+    // window unclipped.
+    let reported = accum.last_grad_norm().unwrap().into_scalar().elem::<f32>() as f64;
+    let mut unclipped = GradientAccumulation::new(SgdConfig::new().init::<F, Mlp<F>>(), N).unwrap();
+    let mut model = init.clone();
+    for i in 0..N {
+        let grads = micro_grads(&model, 0, i, &device);
+        model = unclipped.step(1.0, model, grads);
+    }
+    let want = update_norm(&model, &init);
+    assert_norm_before_clipping(reported, want, max_norm, 1e-5);
+    assert!(
+        unclipped.last_grad_norm().is_none(),
+        "a norm without clipping"
+    );
 }
 
 #[test]

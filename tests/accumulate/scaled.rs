@@ -138,6 +138,20 @@ fn scaled_windows_unscale_before_clipping() {
         let norm = update_norm(&model, &init);
         // Clipping the still-scaled sum would give max_norm / 1024.
         assert!((norm - max_norm as f64).abs() < 1e-4, "update norm {norm}");
+        // The norm before clipping, unscaled: the update of the same window unclipped.
+        let reported = accum.last_grad_norm().unwrap().into_scalar().elem::<f32>() as f64;
+        let mut scaler = self::scaler(1024.0, 1000);
+        let mut unclipped = GradientAccumulationConfig::new(N)
+            .init(SgdConfig::new().init::<A, Mlp<A>>())
+            .unwrap();
+        let mut model = init.clone();
+        for i in 0..N {
+            let grads = scaled_grads(&model, &scaler, 0, i, false);
+            model = scaler.step(&mut unclipped, 1.0, model, grads).unwrap().0;
+            scaler.update().unwrap();
+        }
+        let want = update_norm(&model, &init);
+        assert_norm_before_clipping(reported, want, max_norm, 1e-3);
     });
 }
 

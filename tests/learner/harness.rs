@@ -141,6 +141,7 @@ where
         training = training
             .metric_train_numeric(LossScaleMetric::new(monitor))
             .metric_train_numeric(SkippedStepsMetric::new(monitor))
+            .metric_train_numeric(GradNormMetric::new(monitor))
             .metric_train_numeric(StepMemoryMetric::new(monitor))
             .metric_train_numeric(ActivationMemoryMetric::new(monitor));
     }

@@ -43,14 +43,16 @@ use burn::train::{
     SupervisedTraining, TrainOutput, TrainStep,
 };
 use burn_amp::amp_optimizer::{
-    ActivationMemoryMetric, LossScaleMetric, ScalerMonitor, SkippedStepsMetric, StepMemoryMetric,
+    ActivationMemoryMetric, GradNormMetric, LossScaleMetric, ScalerMonitor, SkippedStepsMetric,
+    StepMemoryMetric,
 };
 use burn_amp::ema::{EmaConfig, EmaOptimizer};
 use burn_amp::memory::DeviceMemory;
 use burn_amp::optim::FusedAdamWConfig;
 use burn_amp::scaler::{GradScalerConfig, ScaledStep};
 use burn_amp::{
-    Amp, AmpOptimizer, GradientAccumulation, Precision, autocast, host_reads, set_default_precision,
+    Amp, AmpOptimizer, GradientAccumulation, GradientAccumulationConfig, Precision, autocast,
+    host_reads, set_default_precision,
 };
 use common::models::Mlp;
 
@@ -274,10 +276,47 @@ fn with_accumulation_of_4_a_poisoned_window_is_skipped_once() {
     let scale = outcome.metrics.series("Loss Scale");
     assert_eq!(scale.first(), Some(&65536.0));
     assert_eq!(scale.last(), Some(&32768.0));
+    // No clipping, no norm computed: the metric shows NaN.
+    let norms = outcome.metrics.series("Gradient Norm");
+    assert!(
+        norms.len() == 16 && norms.iter().all(|n| n.is_nan()),
+        "{norms:?}"
+    );
     assert!(
         scale.iter().all(|s| *s == 65536.0 || *s == 32768.0),
         "{scale:?}"
     );
+}
+
+/// Windows of 4 clipped at a norm they never reach, micro-batch 5 poisoned: the metric shows
+/// each window's norm before clipping (one value per window, the overflowing window's not
+/// finite), the last one the monitor's.
+#[test]
+fn the_gradient_norm_of_a_clipped_window_is_a_metric() {
+    let _s = serial();
+    let _g = autocast(Precision::F16);
+    let accum = GradientAccumulationConfig::new(4)
+        .with_max_grad_norm(Some(1e3))
+        .init(adam::<F>())
+        .unwrap();
+    let optim = wrapped(accum);
+    let monitor = optim.monitor();
+    let mut run = Run::<F>::new("grad-norm", Default::default());
+    run.epochs = 1;
+    run.poison = &[5];
+    run.monitor = Some(monitor.clone());
+    let outcome = fit(run, optim);
+    let last = monitor.grad_norm().expect("a norm after 4 windows");
+    assert!(last.is_finite() && last > 0.0, "{last}");
+    let norms = outcome.metrics.series("Gradient Norm");
+    eprintln!("gradient norms: {norms:?}");
+    assert_eq!(norms.len(), 16);
+    assert_eq!(norms.last(), Some(&f64::from(last)));
+    let mut finite: Vec<f64> = norms.iter().copied().filter(|n| n.is_finite()).collect();
+    assert!(finite.iter().all(|n| *n > 0.0 && *n < 1e3), "{norms:?}");
+    finite.dedup();
+    // Three clean windows (a metric may show a window's norm a step early or late).
+    assert!((2..=3).contains(&finite.len()), "{norms:?}");
 }
 
 #[test]
