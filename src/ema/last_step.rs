@@ -24,8 +24,9 @@ pub enum LastStep<B: Backend> {
     Checked(Tensor<B, 1>),
 }
 
-/// An optimizer that tells what its last step did ([`ModelEma::update_after`](crate::ModelEma::update_after),
-/// [`EmaOptimizer`](crate::ema::EmaOptimizer)). Burn's `OptimizerAdaptor` (what
+/// An optimizer that tells what its last step did, for
+/// [`ModelEma::update_after`](crate::ModelEma::update_after) and
+/// [`EmaOptimizer`](crate::ema::EmaOptimizer). Burn's `OptimizerAdaptor` (what
 /// `AdamConfig::init` and the others return) always steps; implement it for an optimizer of
 /// your own that may not.
 pub trait ReportsLastStep<B: AutodiffBackend> {

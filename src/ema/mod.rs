@@ -10,11 +10,12 @@
 //!   (`tests/amp_optimizer/ema.rs`: 80 of 128 values never moved in 60 updates).
 //!   The average costs 4 bytes per trainable parameter.
 //! - **An optimizer step that was not taken is not averaged.** [`ModelEma::update_after`]
-//!   reads the [`AmpOptimizer`](crate::AmpOptimizer)'s last step: a micro-step inside an accumulation window
-//!   changed no weight and is passed over (PyTorch's loop calls the average once per
-//!   optimizer step), and a step skipped on an overflow leaves the average and its count
-//!   exactly as they were, on the device (no host read: the overflow flag multiplies the
-//!   update by 0).
+//!   reads the optimizer's last step ([`ReportsLastStep`]: an
+//!   [`AmpOptimizer`](crate::AmpOptimizer), Burn's optimizers, a window): a micro-step inside
+//!   an accumulation window changed no weight and is passed over (PyTorch's loop calls the
+//!   average once per optimizer step), and a step skipped on an overflow leaves the average
+//!   and its count exactly as they were, on the device (no host read: the overflow flag
+//!   multiplies the update by 0).
 //! - **Tensors that are not trained** (frozen parameters, a batch norm's running statistics)
 //!   are the model's own, taken at each update, in their dtype: nothing to average, and a
 //!   frozen bf16 backbone is not widened.
@@ -256,8 +257,8 @@ impl<B: AutodiffBackend, M: AutodiffModule<B>> ModelEma<B, M> {
     }
 
     /// Averages `model`'s current weights in: call it after each optimizer step. With an
-    /// [`AmpOptimizer`](crate::AmpOptimizer), [`update_after`](Self::update_after) passes over the steps that were
-    /// not taken.
+    /// [`AmpOptimizer`](crate::AmpOptimizer), [`update_after`](Self::update_after) passes over
+    /// the steps that were not taken.
     pub fn update(&mut self, model: &M) -> Result<(), EmaError> {
         self.update_unless(model, None)
     }
@@ -265,7 +266,8 @@ impl<B: AutodiffBackend, M: AutodiffModule<B>> ModelEma<B, M> {
     /// Averages `model`'s weights in if `optim`'s last call took an optimizer step: nothing
     /// after a micro-step inside an accumulation window; after a step skipped on an
     /// overflow, the average and its count stay as they were (on the device, no read).
-    /// `optim`: an [`AmpOptimizer`](crate::AmpOptimizer), Burn's optimizers, anything [`ReportsLastStep`].
+    /// `optim`: an [`AmpOptimizer`](crate::AmpOptimizer), Burn's optimizers, anything
+    /// [`ReportsLastStep`].
     pub fn update_after<O: ReportsLastStep<B>>(
         &mut self,
         model: &M,

@@ -18,7 +18,8 @@ use super::{EmaConfig, EmaError, ModelEma, ModelEmaRecord};
 /// restores.
 ///
 /// ```ignore
-/// let optim = EmaOptimizer::new(AmpOptimizer::new(adam, GradScalerConfig::new())?, EmaConfig::new())?;
+/// let amp = AmpOptimizer::new(adam, GradScalerConfig::new())?;
+/// let optim = EmaOptimizer::new(amp, EmaConfig::new())?;
 /// let average = optim.average();                 // a handle: clones share the average
 /// let result = training.launch(Learner::new(model, optim, scheduler));
 /// let ema_model = average.module().expect("trained at least one step");
