@@ -10,6 +10,7 @@
 //! cargo run --release --example learner -- --accum 2 --micro-batch 32 --epochs 4
 //! cargo run --release --example learner -- --epochs 4 --resume-epoch 3   # from a checkpoint
 //! cargo run --release --example learner -- --ema 0.98                    # + a weight average
+//! cargo run --release --example learner -- --ema 0.98 --validate-average # validated on it
 //! cargo run --release --example learner -- --clip 1.0                    # + global-norm clipping
 //! ```
 //!
@@ -25,7 +26,9 @@
 //! - two more metrics, the loss scale and the skipped steps;
 //! - with `--ema`, `EmaOptimizer` around it all: a weight average in f32 after each Adam step
 //!   (not after a micro-batch, not after a skipped step), in the checkpoints with the
-//!   optimizer's state, evaluated on the held-out batch beside the trained weights.
+//!   optimizer's state, evaluated on the held-out batch beside the trained weights; with
+//!   `--validate-average` the model is `Averaged`: `Learner` validates the average and
+//!   returns it (the held-out figures of both are then the average's).
 //!
 //! `--devices N` lists the same device N times (what one CPU or one lavapipe can do): the
 //! workers are burn-train's threads, so the precision is set process-wide
@@ -70,7 +73,7 @@ use burn_amp::accumulate::WindowedLrScheduler;
 use burn_amp::amp_optimizer::{
     ActivationMemoryMetric, GradNormMetric, LossScaleMetric, SkippedStepsMetric, StepMemoryMetric,
 };
-use burn_amp::ema::{EmaConfig, EmaOptimizer};
+use burn_amp::ema::{Averaged, EmaConfig, EmaOptimizer};
 use burn_amp::kernels::AmpKernels;
 use burn_amp::memory::DeviceMemory;
 use burn_amp::scaler::GradScalerConfig;
@@ -142,6 +145,9 @@ struct Args {
     /// Keep a weight average of this decay (with warmup), evaluated beside the model.
     #[arg(long)]
     ema: Option<f64>,
+    /// With --ema: `Learner` validates the average each epoch and returns it (`Averaged`).
+    #[arg(long, requires = "ema")]
+    validate_average: bool,
 }
 
 // ------------------------------------------------------------------------ data
@@ -535,7 +541,12 @@ where
             let config = EmaConfig::new().with_decay(decay).with_warmup(true);
             let optim = EmaOptimizer::new(optim, config)?;
             let average = optim.average();
-            let result = training!().launch(Learner::new(model, optim, scheduler));
+            let result = if args.validate_average {
+                let model = Averaged::new(model, &average);
+                training!().launch(Learner::new(model, optim, scheduler))
+            } else {
+                training!().launch(Learner::new(model, optim, scheduler))
+            };
             (result, Some(average))
         }
         None => (
@@ -567,7 +578,7 @@ where
             (a.to_string(), l.to_string())
         });
     println!(
-        "{{\"example\":\"learner\",\"backend\":\"{}\",\"precision\":\"{precision}\",\"devices\":{},\"sharded\":{},\"epochs\":{},\"micro_batch\":{},\"accum\":{},\"learner_iterations\":{},\"optimizer_steps\":{},\"skipped_steps\":{},\"loss_scale\":{},\"heldout_accuracy\":{accuracy},\"heldout_loss\":{loss},\"ema_heldout_accuracy\":{ema_accuracy},\"ema_heldout_loss\":{ema_loss},\"step_peak_bytes\":{},\"activation_bytes\":{},\"memory_growth_watched\":{track_memory},\"memory_growth_bytes_per_step\":{},\"wall_s\":{wall:.3}}}",
+        "{{\"example\":\"learner\",\"backend\":\"{}\",\"precision\":\"{precision}\",\"devices\":{},\"sharded\":{},\"epochs\":{},\"micro_batch\":{},\"accum\":{},\"learner_iterations\":{},\"optimizer_steps\":{},\"skipped_steps\":{},\"loss_scale\":{},\"heldout_accuracy\":{accuracy},\"heldout_loss\":{loss},\"ema_heldout_accuracy\":{ema_accuracy},\"ema_heldout_loss\":{ema_loss},\"validate_average\":{},\"step_peak_bytes\":{},\"activation_bytes\":{},\"memory_growth_watched\":{track_memory},\"memory_growth_bytes_per_step\":{},\"wall_s\":{wall:.3}}}",
         args.backend,
         args.devices,
         args.sharded,
@@ -578,6 +589,7 @@ where
         scaler.optimizer_steps,
         scaler.skipped_steps,
         scaler.scale,
+        args.validate_average,
         memory.map_or("null".to_string(), |m| m.peak_bytes.to_string()),
         memory
             .and_then(|m| m.activation_bytes)

@@ -54,7 +54,7 @@ pub use accumulate::{GradientAccumulation, GradientAccumulationConfig, Reduction
 pub use amp_optimizer::{AmpOptimizer, AmpOptimizerError};
 pub use backend::{Amp, host_reads};
 pub use doctor::{PrecisionReport, detect_anomaly, detect_nan};
-pub use ema::{EmaConfig, EmaOptimizer, EmaPlacement, ModelEma};
+pub use ema::{Averaged, EmaConfig, EmaOptimizer, EmaPlacement, ModelEma};
 pub use error::AmpError;
 pub use frozen::{Frozen, freeze};
 pub use kernels::AmpKernels;

@@ -38,6 +38,7 @@
 //! [`EmaOptimizer`] wraps the optimizer and updates after each of its steps (burn-train's
 //! `Learner` has no hook after the step); the average is in the optimizer's record, so
 //! `Learner`'s checkpoints hold it, and [`SharedEma`] reads it during or after training.
+//! [`Averaged`] around the model has `Learner` validate the average and return it.
 
 use burn::config::Config;
 use burn::module::{AutodiffModule, Module};
@@ -49,10 +50,12 @@ use thiserror::Error;
 use crate::grads::f32_scalar;
 use crate::record::ExactTensor;
 
+mod averaged;
 mod last_step;
 mod optimizer;
 mod tensors;
 
+pub use averaged::Averaged;
 pub use last_step::{LastStep, ReportsLastStep};
 pub use optimizer::{EmaOptimizer, EmaOptimizerRecord, SharedEma};
 pub use tensors::HostTensor;

@@ -9,7 +9,7 @@ use burn::record::{FullPrecisionSettings, PrecisionSettings, Record};
 use burn::tensor::backend::AutodiffBackend;
 
 use super::last_step::ReportsLastStep;
-use super::{EmaConfig, EmaError, ModelEma, ModelEmaRecord};
+use super::{Averaged, EmaConfig, EmaError, ModelEma, ModelEmaRecord};
 
 /// An optimizer that averages the weights after each step it takes, for loops that are not
 /// yours: burn-train's `Learner` calls `Optimizer::step` and nothing after it (Lightning's
@@ -124,12 +124,7 @@ impl<O, B: AutodiffBackend, M: AutodiffModule<B>> EmaOptimizer<O, B, M> {
         config.validate()?;
         Ok(Self {
             inner: optimizer,
-            average: SharedEma(Arc::new(Mutex::new(EmaState {
-                config,
-                ema: None,
-                pending: None,
-                steps: 0,
-            }))),
+            average: SharedEma::new(config),
             steps: 0,
         })
     }
@@ -170,6 +165,16 @@ impl<O, B: AutodiffBackend, M: AutodiffModule<B>> EmaOptimizer<O, B, M> {
 }
 
 impl<B: AutodiffBackend, M: AutodiffModule<B>> SharedEma<B, M> {
+    /// An average not made yet (config validated by the caller).
+    pub(super) fn new(config: EmaConfig) -> Self {
+        Self(Arc::new(Mutex::new(EmaState {
+            config,
+            ema: None,
+            pending: None,
+            steps: 0,
+        })))
+    }
+
     fn lock(&self) -> MutexGuard<'_, EmaState<B, M>> {
         // A panic in another worker's update poisons the lock; the average it left is whole
         // or absent (`ModelEma` takes it out while it updates), so go on.
@@ -279,5 +284,66 @@ where
         self.steps = average.steps;
         self.average.lock().load(average.average, average.steps);
         self
+    }
+}
+
+/// The record methods of `Optimizer<M, B>`, by name: with the impl for [`Averaged`] beside it,
+/// `optim.to_record()` would need the module type spelled out.
+impl<O, B, M> EmaOptimizer<O, B, M>
+where
+    M: AutodiffModule<B>,
+    B: AutodiffBackend,
+    O: Optimizer<M, B> + ReportsLastStep<B>,
+{
+    /// [`Optimizer::to_record`].
+    pub fn to_record(&self) -> (O::Record, EmaOptimizerRecord<B, M>) {
+        Optimizer::<M, B>::to_record(self)
+    }
+
+    /// [`Optimizer::load_record`].
+    pub fn load_record(self, record: (O::Record, EmaOptimizerRecord<B, M>)) -> Self {
+        Optimizer::<M, B>::load_record(self, record)
+    }
+}
+
+/// The same optimizer for the model wrapped in [`Averaged`] (validated as the average): the
+/// wrapped optimizer steps `M`, the record is the same.
+impl<M, B, O> Optimizer<Averaged<B, M>, B> for EmaOptimizer<O, B, M>
+where
+    M: AutodiffModule<B>,
+    B: AutodiffBackend,
+    O: Optimizer<M, B> + ReportsLastStep<B>,
+{
+    type Record = (O::Record, EmaOptimizerRecord<B, M>);
+
+    fn step(
+        &mut self,
+        lr: LearningRate,
+        module: Averaged<B, M>,
+        grads: GradientsParams,
+    ) -> Averaged<B, M> {
+        let (model, average) = module.into_parts();
+        Averaged::new(Optimizer::<M, B>::step(self, lr, model, grads), &average)
+    }
+
+    fn step_multi(
+        &mut self,
+        lr: LearningRate,
+        module: Averaged<B, M>,
+        grads: MultiGradientsParams,
+    ) -> Averaged<B, M> {
+        let (model, average) = module.into_parts();
+        Averaged::new(
+            Optimizer::<M, B>::step_multi(self, lr, model, grads),
+            &average,
+        )
+    }
+
+    fn to_record(&self) -> Self::Record {
+        Optimizer::<M, B>::to_record(self)
+    }
+
+    fn load_record(self, record: Self::Record) -> Self {
+        Optimizer::<M, B>::load_record(self, record)
     }
 }

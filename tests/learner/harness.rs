@@ -1,5 +1,7 @@
 //! Runs the user's program under `Learner`, recording every numeric training metric.
 
+use burn::module::AutodiffModule;
+
 use super::*;
 
 /// Keeps every numeric training metric's values, by name, in order.
@@ -20,8 +22,9 @@ impl Recorder {
     }
 }
 
-impl MetricsRendererTraining for Recorder {
-    fn update_train(&mut self, state: MetricState) {
+impl Recorder {
+    /// Keeps a numeric metric's value under its name, after `prefix`.
+    fn keep(&self, state: MetricState, prefix: &str) {
         if let MetricState::Numeric(entry, value) = state {
             let name = self.names.lock().unwrap().get(&entry.metric_id).cloned();
             let value = match value {
@@ -30,15 +33,26 @@ impl MetricsRendererTraining for Recorder {
                     aggregated_value, ..
                 } => aggregated_value,
             };
-            let mut values = self.values.lock().unwrap();
-            values
-                .entry(name.unwrap_or_default())
+            let name = format!("{prefix}{}", name.unwrap_or_default());
+            self.values
+                .lock()
+                .unwrap()
+                .entry(name)
                 .or_default()
                 .push(value);
         }
     }
+}
 
-    fn update_valid(&mut self, _state: MetricState) {}
+impl MetricsRendererTraining for Recorder {
+    fn update_train(&mut self, state: MetricState) {
+        self.keep(state, "")
+    }
+
+    /// Kept as `valid <name>`.
+    fn update_valid(&mut self, state: MetricState) {
+        self.keep(state, "valid ")
+    }
 
     fn render_train(&mut self, _item: TrainingProgress, _: Vec<ProgressType>) {}
 
@@ -115,6 +129,19 @@ where
     B: AutodiffBackend,
     O: Optimizer<Classifier<B>, B> + 'static,
 {
+    fit_as(run, optim, |model| model)
+}
+
+/// [`fit`] of the model `wrap` makes of the user's (the same inference model).
+pub fn fit_as<B, W, O>(run: Run<B>, optim: O, wrap: impl FnOnce(Classifier<B>) -> W) -> Outcome
+where
+    B: AutodiffBackend,
+    W: AutodiffModule<B, InnerModule = Classifier<B::InnerBackend>>
+        + TrainStep<Input = BlobBatch<B>, Output = ClassificationOutput<B>>
+        + core::fmt::Display
+        + 'static,
+    O: Optimizer<W, B> + 'static,
+{
     B::seed(&run.device, 5);
     let model = Classifier {
         mlp: Mlp::new(D_IN, 32, CLASSES, &run.device),
@@ -135,6 +162,7 @@ where
     let dir = artifacts(run.name);
     let mut training = SupervisedTraining::new(&dir, train, valid)
         .metric_train_numeric(LossMetric::new())
+        .metric_valid_numeric(LossMetric::new())
         .num_epochs(run.epochs)
         .renderer(recorder.clone());
     if let Some(monitor) = &run.monitor {
@@ -156,7 +184,7 @@ where
         training = training.checkpoint(epoch);
     }
     let before = host_reads();
-    let result = training.launch(Learner::new(model, optim, 1e-2));
+    let result = training.launch(Learner::new(wrap(model), optim, 1e-2));
     let host_reads = host_reads() - before;
     let params = common::models::params(&result.model);
     let param_dtypes = [&result.model.mlp.l1.weight, &result.model.mlp.l2.weight]

@@ -46,7 +46,7 @@ use burn_amp::amp_optimizer::{
     ActivationMemoryMetric, GradNormMetric, LossScaleMetric, ScalerMonitor, SkippedStepsMetric,
     StepMemoryMetric,
 };
-use burn_amp::ema::{EmaConfig, EmaOptimizer};
+use burn_amp::ema::{Averaged, EmaConfig, EmaOptimizer};
 use burn_amp::memory::DeviceMemory;
 use burn_amp::optim::FusedAdamWConfig;
 use burn_amp::scaler::{GradScalerConfig, ScaledStep};
@@ -414,6 +414,46 @@ fn learners_checkpointer_saves_and_restores_the_average() {
         from_weights > 1e-3,
         "the average is the weights: {from_weights}"
     );
+}
+
+/// `Averaged` around the model: `Learner` validates the average each epoch and returns it,
+/// while training is the same step for step (the same training losses as without it).
+#[test]
+fn an_averaged_model_is_validated_and_returned_as_its_average() {
+    let _s = serial();
+    let _g = autocast(Precision::F16);
+    let make = || {
+        let config = EmaConfig::new().with_decay(0.9).with_warmup(true);
+        EmaOptimizer::new(wrapped(adam::<F>()), config).unwrap()
+    };
+    let optim = make();
+    let average = optim.average();
+    let mut run = Run::<F>::new("averaged", Default::default());
+    run.epochs = 3;
+    let averaged = fit_as(run, optim, |model| Averaged::new(model, &average));
+    let mut run = Run::<F>::new("trained", Default::default());
+    run.epochs = 3;
+    let trained = fit(run, make());
+
+    let series = |o: &harness::Outcome, name: &str| o.metrics.series(name);
+    assert_eq!(
+        series(&averaged, "Loss"),
+        series(&trained, "Loss"),
+        "training differs"
+    );
+    let want = common::models::params(&average.module().unwrap().mlp);
+    assert_eq!(averaged.params, want, "the result is not the average");
+    assert_ne!(averaged.params, trained.params);
+    let (valid_averaged, valid_trained) = (
+        series(&averaged, "valid Loss"),
+        series(&trained, "valid Loss"),
+    );
+    eprintln!("validation loss, average {valid_averaged:?}, weights {valid_trained:?}");
+    assert_eq!(valid_averaged.len(), valid_trained.len());
+    assert!(!valid_averaged.is_empty());
+    for (a, t) in valid_averaged.iter().zip(&valid_trained) {
+        assert!(a.is_finite() && a != t, "validated on the weights: {a} {t}");
+    }
 }
 
 fn multi_device(strategy: MultiDeviceOptim, name: &str) {
