@@ -103,9 +103,15 @@ impl<B: AutodiffBackend, M: AutodiffModule<B>> Module<B> for Averaged<B, M> {
 impl<B: AutodiffBackend, M: AutodiffModule<B>> AutodiffModule<B> for Averaged<B, M> {
     type InnerModule = M::InnerModule;
 
-    /// The average, or the trained weights before the optimizer's first step.
+    /// The average, or the trained weights before the optimizer's first step. On the model's
+    /// (first) device: under DDP the average is made by whichever worker's clone steps first,
+    /// and the main worker validates.
     fn valid(&self) -> M::InnerModule {
-        self.average.module().unwrap_or_else(|| self.model.valid())
+        match (self.average.module(), self.model.devices().first()) {
+            (Some(average), Some(device)) => average.to_device(device),
+            (Some(average), None) => average,
+            (None, _) => self.model.valid(),
+        }
     }
 
     /// Trained weights without an average (no optimizer keeps one for them).
