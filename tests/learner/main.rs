@@ -456,6 +456,31 @@ fn an_averaged_model_is_validated_and_returned_as_its_average() {
     }
 }
 
+/// `Averaged` on wgpu (f16, lavapipe): the returned model is the average, on the device,
+/// bit for bit, and validation ran on it.
+#[test]
+fn an_averaged_model_on_wgpu_is_returned_as_its_average() {
+    let _s = serial();
+    let Some(device) = common::wgpu_device() else {
+        return;
+    };
+    type W = Amp<Autodiff<Wgpu>>;
+    let _g = autocast(Precision::F16);
+    let config = EmaConfig::new().with_decay(0.9).with_warmup(true);
+    let optim = EmaOptimizer::new(wrapped(adam::<W>()), config).unwrap();
+    let average = optim.average();
+    let run = Run::<W>::new("averaged-wgpu", device);
+    let outcome = fit_as(run, optim, |model| Averaged::new(model, &average));
+    assert_eq!(average.updates(), 32);
+    let want = common::models::params(&average.module().unwrap().mlp);
+    assert_eq!(outcome.params, want, "the result is not the average");
+    let valid = outcome.metrics.series("valid Loss");
+    assert!(
+        valid.len() == 2 && valid.iter().all(|l| l.is_finite()),
+        "{valid:?}"
+    );
+}
+
 fn multi_device(strategy: MultiDeviceOptim, name: &str) {
     // The workers are burn-train's threads: the process-wide precision reaches them.
     let previous = set_default_precision(Some(Precision::F16));
