@@ -139,17 +139,23 @@ impl ScalerMonitor {
 
     /// Called by the optimizer after each step: `stepped` when an optimizer step was taken or
     /// skipped (not a micro-step that only accumulated), with the device tensors to read (the
-    /// scaler's f32 `[4]` state and the skip count) after a scaled one. Handing over tensor
-    /// handles reads nothing.
+    /// scaler's f32 `[4]` state and the skip count) after a scaled one, and the global norm
+    /// of a step's gradients where the optimizer computed one. Handing over tensor handles
+    /// reads nothing.
     pub(crate) fn record<B: Backend>(
         &self,
         stepped: bool,
         device: Option<(Tensor<B, 1>, Tensor<B, 1>)>,
+        grad_norm: Option<Tensor<B, 1>>,
     ) {
         let mut state = self.lock();
         state.micro_steps += 1;
         if stepped {
             state.optimizer_steps += 1;
+            state.cached_norm = None;
+            state.grad_norm = grad_norm.map(|norm| -> NormReader {
+                Box::new(move || norm.clone().into_scalar().elem::<f32>())
+            });
         }
         if let Some((scaler_state, skipped)) = device {
             state.cached = None;
@@ -165,16 +171,6 @@ impl ScalerMonitor {
                 )
             }));
         }
-    }
-
-    /// Called by the optimizer after an optimizer step (taken or skipped): the global norm of
-    /// its gradients, when it computed one (a device tensor: nothing is read here).
-    pub(crate) fn record_grad_norm<B: Backend>(&self, norm: Option<Tensor<B, 1>>) {
-        let mut state = self.lock();
-        state.cached_norm = None;
-        state.grad_norm = norm.map(|norm| -> NormReader {
-            Box::new(move || norm.clone().into_scalar().elem::<f32>())
-        });
     }
 
     /// The global L2 norm of the last optimizer step's gradients, unscaled and before

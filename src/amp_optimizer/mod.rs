@@ -376,11 +376,9 @@ where
         self.monitor.sample(SamplePoint::StepStart, &device);
         let (module, stepped, figures) = self.step_on(&device, lr, module, grads)?;
         self.last_step_taken = stepped;
-        if stepped {
-            self.monitor.record_grad_norm(self.inner.last_grad_norm());
-        }
         self.monitor.sample(SamplePoint::StepEnd, &device);
-        self.monitor.record(stepped, figures);
+        let grad_norm = stepped.then(|| self.inner.last_grad_norm()).flatten();
+        self.monitor.record(stepped, figures, grad_norm);
         crate::doctor::step_boundary();
         Ok(module)
     }

@@ -44,6 +44,14 @@ impl<B: AutodiffBackend, M: AutodiffModule<B>> Averaged<B, M> {
     pub fn into_parts(self) -> (M, SharedEma<B, M>) {
         (self.model, self.average)
     }
+
+    /// The trained model changed by `f`, the same average.
+    pub(super) fn map_model(self, f: impl FnOnce(M) -> M) -> Self {
+        Self {
+            model: f(self.model),
+            average: self.average,
+        }
+    }
 }
 
 impl<B: AutodiffBackend, M: AutodiffModule<B>> Clone for Averaged<B, M> {
@@ -76,11 +84,11 @@ impl<B: AutodiffBackend, M: AutodiffModule<B>> Module<B> for Averaged<B, M> {
     }
 
     fn fork(self, device: &B::Device) -> Self {
-        Self::new(self.model.fork(device), &self.average)
+        self.map_model(|m| m.fork(device))
     }
 
     fn to_device(self, device: &B::Device) -> Self {
-        Self::new(self.model.to_device(device), &self.average)
+        self.map_model(|m| m.to_device(device))
     }
 
     fn visit<V: ModuleVisitor<B>>(&self, visitor: &mut V) {
@@ -88,11 +96,11 @@ impl<B: AutodiffBackend, M: AutodiffModule<B>> Module<B> for Averaged<B, M> {
     }
 
     fn map<Mp: ModuleMapper<B>>(self, mapper: &mut Mp) -> Self {
-        Self::new(self.model.map(mapper), &self.average)
+        self.map_model(|m| m.map(mapper))
     }
 
     fn load_record(self, record: Self::Record) -> Self {
-        Self::new(self.model.load_record(record), &self.average)
+        self.map_model(|m| m.load_record(record))
     }
 
     fn into_record(self) -> Self::Record {

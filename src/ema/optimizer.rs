@@ -191,13 +191,13 @@ impl<B: AutodiffBackend, M: AutodiffModule<B>> SharedEma<B, M> {
 
     /// Updates averaged so far (reads one value from the device after an f16 run's update).
     pub fn updates(&self) -> u64 {
-        let mut state = self.lock();
-        if let Some(ema) = &state.ema {
-            return ema.updates();
-        }
-        match state.record() {
-            Some((_, Some(count), _, _)) => count.into_tensor().into_scalar().elem::<f32>() as u64,
-            _ => 0,
+        let state = self.lock();
+        match (&state.ema, &state.pending) {
+            (Some(ema), _) => ema.updates(),
+            (None, Some((_, Some(count), _, _))) => {
+                count.0.clone().into_scalar().elem::<f32>() as u64
+            }
+            (None, _) => 0,
         }
     }
 
@@ -322,8 +322,7 @@ where
         module: Averaged<B, M>,
         grads: GradientsParams,
     ) -> Averaged<B, M> {
-        let (model, average) = module.into_parts();
-        Averaged::new(Optimizer::<M, B>::step(self, lr, model, grads), &average)
+        module.map_model(|m| Optimizer::<M, B>::step(self, lr, m, grads))
     }
 
     fn step_multi(
@@ -332,11 +331,7 @@ where
         module: Averaged<B, M>,
         grads: MultiGradientsParams,
     ) -> Averaged<B, M> {
-        let (model, average) = module.into_parts();
-        Averaged::new(
-            Optimizer::<M, B>::step_multi(self, lr, model, grads),
-            &average,
-        )
+        module.map_model(|m| Optimizer::<M, B>::step_multi(self, lr, m, grads))
     }
 
     fn to_record(&self) -> Self::Record {
