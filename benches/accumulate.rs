@@ -12,6 +12,8 @@
 //!      adapter except where `CI` is set, where a missing adapter fails): the allocator's
 //!      `bytes_in_use`, read after `sync` on the model's thread, sampled after each forward,
 //!      backward and step; the peak of the samples.
+//!    - `micro+norm`: the same with the window's gradient norm tracked; its time over
+//!      `micro`'s is the cost of `with_track_grad_norm` (`norm_tracking_ratio_*`).
 //! 2. Bytes per parameter of parameters, gradients, Adam state and accumulation buffers for
 //!    a two-half model (two `DeepMlp`s) with none frozen, half frozen in f32, and half frozen
 //!    in bf16 (counted from the live tensors' shapes and dtypes).
@@ -35,7 +37,7 @@ use burn::optim::{Adam, AdamConfig, AdamState, GradientsParams, Optimizer};
 use burn::prelude::*;
 use burn::tensor::FloatDType;
 use burn::tensor::backend::AutodiffBackend;
-use burn_amp::accumulate::GradientAccumulation;
+use burn_amp::accumulate::{GradientAccumulation, GradientAccumulationConfig};
 use burn_amp::frozen::{Frozen, param_bytes};
 use burn_amp::grads::gradient_bytes;
 use burn_amp::{Amp, Precision, autocast};
@@ -67,6 +69,8 @@ enum Mode {
     Big,
     /// N micro-batches of b through the wrapper.
     Micro,
+    /// The same, the window's gradient norm tracked (`with_track_grad_norm`).
+    Tracked,
 }
 
 impl Mode {
@@ -74,7 +78,12 @@ impl Mode {
         match self {
             Mode::Big => "big",
             Mode::Micro => "micro",
+            Mode::Tracked => "micro+norm",
         }
+    }
+
+    fn all() -> [Mode; 3] {
+        [Mode::Big, Mode::Micro, Mode::Tracked]
     }
 }
 
@@ -85,6 +94,7 @@ struct Run<B: AutodiffBackend> {
     model: TinyLm<B>,
     big: Adaptor<B>,
     micro: GradientAccumulation<Adaptor<B>, B>,
+    tracked: GradientAccumulation<Adaptor<B>, B>,
     task: ReversalTask,
     device: B::Device,
 }
@@ -97,6 +107,10 @@ impl<B: AutodiffBackend> Run<B> {
             model: config.init(&device),
             big: AdamConfig::new().init(),
             micro: GradientAccumulation::new(AdamConfig::new().init(), N).unwrap(),
+            tracked: GradientAccumulationConfig::new(N)
+                .with_track_grad_norm(true)
+                .init(AdamConfig::new().init())
+                .unwrap(),
             task: ReversalTask::new(config.vocab, config.seq_len, 3),
             device,
         }
@@ -116,7 +130,12 @@ impl<B: AutodiffBackend> Run<B> {
                 probe(&self.device);
                 model
             }
-            Mode::Micro => {
+            Mode::Micro | Mode::Tracked => {
+                let accum = if mode == Mode::Tracked {
+                    &mut self.tracked
+                } else {
+                    &mut self.micro
+                };
                 let mut model = model;
                 for _ in 0..N {
                     let (x, y) = self.task.batch::<B>(MICRO, &self.device);
@@ -124,7 +143,7 @@ impl<B: AutodiffBackend> Run<B> {
                     probe(&self.device);
                     let grads = GradientsParams::from_grads(loss.backward(), &model);
                     probe(&self.device);
-                    model = self.micro.step(LR, model, grads);
+                    model = accum.step(LR, model, grads);
                     probe(&self.device);
                 }
                 model
@@ -337,11 +356,8 @@ where
 fn main() {
     let args: Vec<String> = std::env::args().collect();
     if let Some(i) = args.iter().position(|a| a == "--child") {
-        child(if args[i + 1] == "big" {
-            Mode::Big
-        } else {
-            Mode::Micro
-        });
+        let mode = Mode::all().into_iter().find(|m| m.name() == args[i + 1]);
+        child(mode.expect("a mode's name"));
         return;
     }
     // Under `cargo test --all-targets` (no `--bench` argument) this runs as a smoke test:
@@ -357,13 +373,16 @@ fn main() {
     );
 
     let mut json = Vec::new();
+    // (backend, mode, ms) for the tracking ratio.
+    let mut times: Vec<(&str, Mode, f64)> = Vec::new();
     println!(
         "\n| backend | mode | ms / optimizer step | peak memory above steady state | memory source |"
     );
     println!("|---|---|---|---|---|");
-    for mode in [Mode::Big, Mode::Micro] {
+    for mode in Mode::all() {
         match flex(mode) {
             Some(r) => {
+                times.push(("flex", mode, r.ms));
                 let extra = r.peak_kb.saturating_sub(r.base_kb) * 1024;
                 println!(
                     "| Autodiff<Flex> | {} | {:.1} | {:.1} MiB (RSS {:.1} → peak {:.1} MiB) | process peak RSS (VmHWM), fresh process |",
@@ -387,8 +406,9 @@ fn main() {
     let device = if no_wgpu { None } else { common::wgpu_device() };
     match &device {
         Some(device) => {
-            for mode in [Mode::Big, Mode::Micro] {
+            for mode in Mode::all() {
                 let r = wgpu(mode, device);
+                times.push(("wgpu", mode, r.ms));
                 let extra = r.peak.saturating_sub(r.before);
                 println!(
                     "| Autodiff<Wgpu> | {} | {:.1} | {:.1} MiB (in use {:.1} → peak {:.1} MiB) | allocator bytes_in_use after sync |",
@@ -408,6 +428,23 @@ fn main() {
             }
         }
         None => println!("| Autodiff<Wgpu> | skipped (no adapter or --no-wgpu) | | | |"),
+    }
+
+    // What tracking the norm costs: one reduction over the window's sums per optimizer step.
+    let ms = |backend: &str, mode: Mode| {
+        times
+            .iter()
+            .find(|(b, m, _)| *b == backend && *m == mode)
+            .map(|t| t.2)
+    };
+    let mut ratios = Vec::new();
+    for backend in ["flex", "wgpu"] {
+        if let (Some(tracked), Some(micro)) = (ms(backend, Mode::Tracked), ms(backend, Mode::Micro))
+        {
+            let ratio = tracked / micro;
+            println!("{backend}: micro+norm / micro time per optimizer step = {ratio:.3}");
+            ratios.push(format!(r#""norm_tracking_ratio_{backend}":{ratio:.4}"#));
+        }
     }
 
     let device = Default::default();
@@ -461,7 +498,8 @@ fn main() {
         ));
     }
     report::emit(&format!(
-        r#"{{"bench":"accumulate","n":{N},"micro_batch":{MICRO},"steps":[{}],"state":[{}]}}"#,
+        r#"{{"bench":"accumulate","n":{N},"micro_batch":{MICRO},{}"steps":[{}],"state":[{}]}}"#,
+        ratios.iter().map(|r| format!("{r},")).collect::<String>(),
         json.join(","),
         state_json.join(",")
     ));

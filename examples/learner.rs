@@ -12,12 +12,13 @@
 //! cargo run --release --example learner -- --ema 0.98                    # + a weight average
 //! cargo run --release --example learner -- --ema 0.98 --validate-average # validated on it
 //! cargo run --release --example learner -- --clip 1.0                    # + global-norm clipping
+//! cargo run --release --example learner -- --grad-norm                   # the norm, unclipped
 //! ```
 //!
 //! What differs from a plain burn-train program:
 //! - the backend type, `Amp<Autodiff<Flex>>` (or `Wgpu`): autocast;
 //! - the optimizer, wrapped once: `AmpOptimizer::new(GradientAccumulationConfig::new(N)
-//!   .with_max_grad_norm(clip).init(adam)?, GradScalerConfig::new())`. At f16 `backward` scales the loss and the step unscales,
+//!   .with_max_grad_norm(clip).with_track_grad_norm(norm).init(adam)?, GradScalerConfig::new())`. At f16 `backward` scales the loss and the step unscales,
 //!   checks and skips on the device; at bf16/f32 it passes through. The accumulation window
 //!   steps Adam once per N micro-batches on their mean (`Learner`'s own `grads_accumulation`
 //!   would sum, and hold a second copy);
@@ -142,6 +143,9 @@ struct Args {
     /// metric).
     #[arg(long)]
     clip: Option<f32>,
+    /// Show each optimizer step's gradient norm as a metric, without clipping.
+    #[arg(long)]
+    grad_norm: bool,
     /// Keep a weight average of this decay (with warmup), evaluated beside the model.
     #[arg(long)]
     ema: Option<f64>,
@@ -471,6 +475,7 @@ where
     let mut optim = AmpOptimizer::new(
         GradientAccumulationConfig::new(args.accum)
             .with_max_grad_norm(args.clip)
+            .with_track_grad_norm(args.grad_norm)
             .init(adam)?,
         GradScalerConfig::new(),
     )?;
@@ -509,7 +514,7 @@ where
                 .num_epochs(args.epochs)
                 .renderer(LineRenderer::new(args.print_every))
                 .summary();
-            if args.clip.is_some() {
+            if args.clip.is_some() || args.grad_norm {
                 training = training.metric_train_numeric(GradNormMetric::new(&monitor));
             }
             if track_memory {

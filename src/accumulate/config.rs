@@ -31,6 +31,12 @@ pub struct GradientAccumulationConfig {
     /// Clip the accumulated (and unscaled) gradients of all parameters to this global L2
     /// norm at the boundary, as `torch.nn.utils.clip_grad_norm_`.
     pub max_grad_norm: Option<f32>,
+    /// Compute the global L2 norm of each window's gradients (unscaled) without clipping
+    /// them, for [`GradientAccumulation::last_grad_norm`] and the `GradNormMetric`
+    /// (Lightning's `grad_norm`): one reduction over the window's sums, on the device, read
+    /// only by whoever asks. With `max_grad_norm` the clipping computes it anyway.
+    #[config(default = false)]
+    pub track_grad_norm: bool,
 }
 
 /// A configuration that cannot run, or a window used inconsistently.
@@ -124,6 +130,7 @@ impl GradientAccumulationConfig {
             micro_batches: self.micro_batches,
             reduction: self.reduction,
             max_grad_norm: self.max_grad_norm,
+            track_grad_norm: self.track_grad_norm,
             last_grad_norm: None,
             buffers: HashMap::new(),
             micro_step: 0,

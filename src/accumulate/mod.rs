@@ -139,7 +139,10 @@ pub struct GradientAccumulation<O, B: AutodiffBackend> {
     micro_batches: usize,
     reduction: Reduction,
     max_grad_norm: Option<f32>,
-    /// The global norm of the last window's gradients before clipping (with `max_grad_norm`).
+    /// Compute the norm without clipping.
+    track_grad_norm: bool,
+    /// The global norm of the last window's gradients before clipping (with `max_grad_norm`
+    /// or `track_grad_norm`).
     last_grad_norm: Option<Tensor<Inner<B>, 1>>,
     buffers: HashMap<ParamId, Buffer<Inner<B>>>,
     micro_step: usize,
@@ -205,8 +208,8 @@ impl<O, B: AutodiffBackend> GradientAccumulation<O, B> {
 
     /// The global L2 norm of the last closed window's gradients, unscaled, before clipping
     /// (what `torch.nn.utils.clip_grad_norm_` returns): f32 `[1]` on the device, not read;
-    /// inf or NaN for a window that overflowed. Computed by the clipping: `None` without
-    /// `max_grad_norm`, or before the first boundary.
+    /// inf or NaN for a window that overflowed. Computed by the clipping, or without it
+    /// with `track_grad_norm`: `None` with neither, or before the first boundary.
     pub fn last_grad_norm(&self) -> Option<Tensor<Inner<B>, 1>> {
         self.last_grad_norm.clone()
     }
@@ -347,9 +350,11 @@ impl<O, B: AutodiffBackend> GradientAccumulation<O, B> {
             return Ok(None);
         }
         let mut list = self.take_window(module).widened();
-        if let Some(max_norm) = self.max_grad_norm {
-            self.last_grad_norm = list.clip_by_global_norm(max_norm);
-        }
+        self.last_grad_norm = match self.max_grad_norm {
+            Some(max_norm) => list.clip_by_global_norm(max_norm),
+            None if self.track_grad_norm => list.global_norm(),
+            None => None,
+        };
         Ok(Some(list))
     }
 
@@ -508,6 +513,16 @@ where
             }
             // The wrapped optimizer unscales (the fused kernels in f32, as they update).
             _ => {
+                // The norm of the scaled f32 sums, unscaled once: no pass to unscale them.
+                // (Unscaled already, as an f32 sum of squares: inf only past ~1.8e19 ×
+                // the scale, where the check skips the step anyway.)
+                self.last_grad_norm = match (self.track_grad_norm, &scale.inv_scale) {
+                    (false, _) => None,
+                    (true, Some(inv)) => list
+                        .global_norm()
+                        .map(|norm| norm.clone() * inv.clone().to_device(&norm.device())),
+                    (true, None) => list.global_norm(),
+                };
                 let found = list.check_finite(found);
                 let signals = ScaleSignals {
                     found_inf: Some(found),

@@ -175,8 +175,9 @@ impl ScalerMonitor {
 
     /// The global L2 norm of the last optimizer step's gradients, unscaled and before
     /// clipping (inf or NaN for a step skipped on an overflow): one read from the device per
-    /// optimizer step. `None` before the first, or where no norm is computed (it is the
-    /// clipping's: `GradientAccumulationConfig::with_max_grad_norm`).
+    /// optimizer step. `None` before the first, or where no norm is computed (a
+    /// `GradientAccumulation` computes it with `with_max_grad_norm` or
+    /// `with_track_grad_norm(true)`).
     pub fn grad_norm(&self) -> Option<f32> {
         let mut state = self.lock();
         let steps = state.optimizer_steps;
@@ -374,9 +375,9 @@ scaler_metric!(
 scaler_metric!(
     /// The global L2 norm of the last optimizer step's gradients, unscaled and before clipping
     /// (PyTorch's `clip_grad_norm_` return value, Lightning's `grad_norm`): a spike before a
-    /// loss spike, inf or NaN at a skipped step. Computed by the clipping of a
-    /// `GradientAccumulation` with `max_grad_norm` (a window of 1 without accumulation); NaN
-    /// without it.
+    /// loss spike, inf or NaN at a skipped step. Computed by a `GradientAccumulation` (a
+    /// window of 1 without accumulation) that clips (`max_grad_norm`) or only measures
+    /// (`track_grad_norm`); NaN without either.
     GradNormMetric,
     "Gradient Norm",
     4,

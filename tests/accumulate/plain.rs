@@ -386,6 +386,41 @@ fn clipping_bounds_the_global_norm_of_the_window() {
 }
 
 #[test]
+fn a_tracked_norm_is_the_clippings_and_changes_nothing() {
+    let device = Default::default();
+    let init = seeded_mlp::<F>(11, &device);
+    let run = |config: GradientAccumulationConfig| {
+        let mut accum = config.init(SgdConfig::new().init::<F, Mlp<F>>()).unwrap();
+        let mut model = init.clone();
+        for i in 0..N {
+            let grads = micro_grads(&model, 0, i, &device);
+            model = accum.step(1.0, model, grads);
+        }
+        let norm = accum
+            .last_grad_norm()
+            .map(|n| n.into_scalar().elem::<f32>());
+        (model, norm)
+    };
+    let (plain, none) = run(GradientAccumulationConfig::new(N));
+    let (tracked, norm) = run(GradientAccumulationConfig::new(N).with_track_grad_norm(true));
+    let (_, clipped) = run(GradientAccumulationConfig::new(N).with_max_grad_norm(Some(0.01)));
+    assert_eq!(none, None, "a norm nobody asked for");
+    assert_eq!(bits(&tracked), bits(&plain), "tracking changed the step");
+    let norm = norm.expect("a tracked norm");
+    assert_eq!(
+        norm.to_bits(),
+        clipped.unwrap().to_bits(),
+        "not the clipping's norm"
+    );
+    // SGD with lr 1: the update is the window's gradient.
+    let want = update_norm(&plain, &init);
+    assert!(
+        (norm as f64 - want).abs() < 1e-5 * want,
+        "norm {norm}, want {want}"
+    );
+}
+
+#[test]
 fn the_windowed_scheduler_advances_once_per_window() {
     let inner = ExponentialLrSchedulerConfig::new(1.0, 0.5).init().unwrap();
     let mut scheduler = WindowedLrScheduler::new(inner, 3).unwrap();

@@ -155,6 +155,62 @@ fn scaled_windows_unscale_before_clipping() {
     });
 }
 
+/// A tracked norm in a scaled window (the scaled sums' norm times `1/scale`) is the norm
+/// the clipping computes after unscaling, bit for bit (the scale is a power of two), and
+/// tracking changes no step; through Burn's SGD and the fused AdamW.
+#[test]
+fn a_scaled_windows_tracked_norm_is_unscaled() {
+    under_f16(|| {
+        let device = Default::default();
+        let init = seeded_mlp::<A>(13, &device);
+        for fused in [false, true] {
+            let run = |config: GradientAccumulationConfig| {
+                let mut scaler = scaler(1024.0, 1000);
+                let model = init.clone();
+                fn window<O>(
+                    mut accum: GradientAccumulation<O, A>,
+                    scaler: &mut GradScaler<A>,
+                    mut model: Mlp<A>,
+                ) -> (Mlp<A>, Option<f32>)
+                where
+                    GradientAccumulation<O, A>: ScaledStep<Mlp<A>, A>,
+                {
+                    for i in 0..N {
+                        let grads = scaled_grads(&model, scaler, 0, i, false);
+                        model = scaler.step(&mut accum, 1e-2, model, grads).unwrap().0;
+                        scaler.update().unwrap();
+                    }
+                    let norm = accum.last_grad_norm();
+                    (model, norm.map(|n| n.into_scalar().elem::<f32>()))
+                }
+                if fused {
+                    let optim = FusedAdamWConfig::new().init::<A, Mlp<A>>().unwrap();
+                    window(config.init(optim).unwrap(), &mut scaler, model)
+                } else {
+                    let optim = SgdConfig::new().init::<A, Mlp<A>>();
+                    window(config.init(optim).unwrap(), &mut scaler, model)
+                }
+            };
+            let (plain, none) = run(GradientAccumulationConfig::new(N));
+            let (tracked, norm) =
+                run(GradientAccumulationConfig::new(N).with_track_grad_norm(true));
+            // A bound it never reaches: the clipped run's norm is computed after unscaling.
+            let (_, unscaled) =
+                run(GradientAccumulationConfig::new(N).with_max_grad_norm(Some(1e6)));
+            assert_eq!(none, None, "a norm nobody asked for (fused {fused})");
+            assert_eq!(
+                bits(&tracked),
+                bits(&plain),
+                "tracking changed the step (fused {fused})"
+            );
+            let (norm, unscaled) = (norm.unwrap(), unscaled.unwrap());
+            eprintln!("fused {fused}: tracked {norm}, clipping's {unscaled}");
+            assert!(norm > 1e-3 && norm < 1e3, "still scaled? {norm}");
+            assert_eq!(norm.to_bits(), unscaled.to_bits(), "fused {fused}");
+        }
+    });
+}
+
 #[test]
 fn touching_the_scaler_mid_window_is_a_typed_error() {
     under_f16(|| {
