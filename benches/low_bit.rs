@@ -6,7 +6,8 @@
 //! per step against f32 AdamW. One table, then one JSON line.
 //!
 //! `cargo bench --bench low_bit` (`cargo test` runs it small, as a smoke test; `-- --kernels`
-//! times the optimizer kernels alone, `-- --ema` the weight average's placements alone).
+//! times the optimizer kernels alone, `-- --ema` the weight average's placements and its
+//! update's kernels against their burn ops, alone).
 
 #[path = "../tests/common/mod.rs"]
 mod common;
@@ -306,6 +307,58 @@ fn kernel_times(n: usize, rounds: usize) -> Option<Vec<(&'static str, f64)>> {
     )
 }
 
+/// One update of a weight average (f32, `n` values) from f16 weights on wgpu (lavapipe): the
+/// `EmaKernels` kernels against their burn-op fallbacks (what `ModelEma` ran before them),
+/// the rate on the device (an f16 run's, with its overflow flag) and on the host. Side by
+/// side, alternating, median of `rounds`, after a warm-up, each average updated in place.
+fn ema_kernel_times(n: usize, rounds: usize) -> Option<Vec<(&'static str, f64)>> {
+    use burn::backend::Wgpu;
+    use burn_amp::ema::EmaKernels;
+    use burn_amp::ema::kernels::fallback;
+    use burn_backend::Backend as _;
+    type W = Wgpu;
+    let device = common::wgpu_device()?;
+    let p = |t: Tensor<W, 1>| t.into_primitive().tensor();
+    let weights = p(Tensor::<W, 1>::ones([n], &device).cast(FloatDType::F16));
+    let rate = p(Tensor::<W, 1>::full([1], 0.01, &device));
+    let names = [
+        "kernel, device rate",
+        "burn ops, device rate",
+        "kernel, host rate",
+        "burn ops, host rate",
+    ];
+    let mut live: Vec<_> = names
+        .iter()
+        .map(|_| Some(p(Tensor::<W, 1>::zeros([n], &device))))
+        .collect();
+    let mut times = vec![Vec::new(); names.len()];
+    for round in 0..rounds + 2 {
+        for (i, slot) in live.iter_mut().enumerate() {
+            let (average, w, r) = (slot.take().unwrap(), weights.clone(), rate.clone());
+            W::sync(&device).unwrap();
+            let start = Instant::now();
+            let next = match i {
+                0 => W::ema_update(average, w, r),
+                1 => fallback::ema_update::<W>(average, w, r),
+                2 => W::ema_update_scalar(average, w, 0.01),
+                _ => fallback::ema_update_scalar::<W>(average, w, 0.01),
+            };
+            W::sync(&device).unwrap();
+            if round >= 2 {
+                times[i].push(start.elapsed());
+            }
+            *slot = Some(next);
+        }
+    }
+    Some(
+        names
+            .into_iter()
+            .zip(times)
+            .map(|(name, t)| (name, common::median(t).as_secs_f64() * 1e3))
+            .collect(),
+    )
+}
+
 /// A weight average's placements on wgpu (lavapipe): `tests/common/ema_placements.rs`.
 fn ema_placements(
     width: usize,
@@ -447,10 +500,38 @@ fn main() {
             ));
         }
     }
+    let ema_kernels = match kernels_only {
+        false => ema_kernel_times(n, if full { 20 } else { 2 }).unwrap_or_default(),
+        true => Vec::new(),
+    };
+    let mut ema_kernel_json = Vec::new();
+    if let [(_, kd), (_, fd), (_, kh), (_, fh)] = ema_kernels[..] {
+        println!();
+        println!(
+            "One update of a weight average of {n} values (f32) from f16 weights, wgpu (lavapipe), median"
+        );
+        println!("| update | ms | burn ops / kernel |");
+        println!("|---|---|---|");
+        for (name, ms) in &ema_kernels {
+            let kernel = if name.ends_with("device rate") {
+                kd
+            } else {
+                kh
+            };
+            println!("| {name} | {ms:.3} | {:.2} |", ms / kernel);
+            ema_kernel_json.push(format!("{{\"update\":\"{name}\",\"ms\":{ms:.4}}}"));
+        }
+        ema_kernel_json.push(format!(
+            "{{\"burn_ops_over_kernel_device_rate\":{:.4},\"burn_ops_over_kernel_host_rate\":{:.4}}}",
+            fd / kd,
+            fh / kh
+        ));
+    }
     report::emit(&format!(
-        "{{\"bench\":\"low_bit\",\"steps\":{steps},\"rows\":[{}],\"kernel_values\":{n},\"kernels\":[{}],\"ema_placements\":[{}]}}",
+        "{{\"bench\":\"low_bit\",\"steps\":{steps},\"rows\":[{}],\"kernel_values\":{n},\"kernels\":[{}],\"ema_placements\":[{}],\"ema_kernels\":[{}]}}",
         json.join(","),
         kernel_json.join(","),
-        ema_json.join(",")
+        ema_json.join(","),
+        ema_kernel_json.join(",")
     ));
 }

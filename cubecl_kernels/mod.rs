@@ -16,6 +16,7 @@
 //! [`LinearView`]: cubecl::std::tensor::layout::linear::LinearView
 
 pub mod accumulate;
+pub mod ema;
 pub mod optim;
 pub mod quantized;
 pub mod rounding;

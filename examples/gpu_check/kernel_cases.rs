@@ -66,6 +66,8 @@ macro_rules! on_both {
 
 #[path = "../../tests/kernels/accumulate.rs"]
 mod accumulate;
+#[path = "../../tests/kernels/ema.rs"]
+mod ema;
 #[path = "../../tests/kernels/optim.rs"]
 mod optim;
 #[path = "../../tests/kernels/scaler.rs"]
@@ -76,6 +78,7 @@ pub fn all<B: AmpKernels>() -> Vec<KernelCase<B>> {
     [
         scaler::cases::<B>(),
         accumulate::cases::<B>(),
+        ema::cases::<B>(),
         optim::cases::<B>(),
         optim::adamw::cases::<B>(),
         optim::sgd::cases::<B>(),

@@ -26,7 +26,8 @@
 //!
 //! ## Where the average lives
 //! [`EmaPlacement::Device`] (the default) keeps it beside the weights: 4 bytes per trained
-//! parameter of device memory, an update is a few fused element-wise ops and no host read.
+//! parameter of device memory, an update is one pass over each tensor ([`EmaKernels`]) and
+//! no host read.
 //! [`EmaPlacement::Host`] (timm's `ModelEmaV3(device="cpu")`) keeps it in host memory, for a
 //! model whose f32 average does not fit beside it (a bf16 model's average is twice its
 //! weights): the device holds a `[1; D]` placeholder per trained tensor, and an update reads
@@ -51,11 +52,13 @@ use crate::grads::f32_scalar;
 use crate::record::ExactTensor;
 
 mod averaged;
+pub mod kernels;
 mod last_step;
 mod optimizer;
 mod tensors;
 
 pub use averaged::Averaged;
+pub use kernels::EmaKernels;
 pub use last_step::{LastStep, ReportsLastStep};
 pub use optimizer::{EmaOptimizer, EmaOptimizerRecord, SharedEma};
 pub use tensors::HostTensor;
@@ -170,9 +173,10 @@ pub struct ModelEma<B: AutodiffBackend, M: AutodiffModule<B>> {
 
 /// The count of updates, on the host until an update comes with an overflow flag to a device
 /// average, then f32 `[1]` on the first tensor's device (a skipped step leaves it there,
-/// without a read). Counted on the host, the rate is a host scalar: on lavapipe an update
-/// whose rate is computed on the device, in the fused block of the update, took two to four
-/// times as long (`cargo bench --bench low_bit -- --ema`: 1.7 with the flag).
+/// without a read). Counted on the host, the rate is a host scalar: no `[1]` tensor ops per
+/// update, and [`ModelEma::updates`] without a read. (Composed from burn ops, an update with
+/// a device rate took 1.7 times as long on lavapipe; the [`EmaKernels`] take either at the
+/// same speed.)
 #[derive(Debug, Clone)]
 enum Updates<B: Backend> {
     Host { count: u64, device: B::Device },
@@ -258,7 +262,15 @@ impl<B: AutodiffBackend, M: AutodiffModule<B>> ModelEma<B, M> {
             Some(Updates::Host { count, .. }) => *count,
         }
     }
+}
 
+/// The updates: a device average's with a device-scalar rate runs [`EmaKernels`] (any
+/// backend has them through their burn-op defaults; burn-amp implements them for `Flex`,
+/// CubeCL's backends and `Amp`).
+impl<B: AutodiffBackend, M: AutodiffModule<B>> ModelEma<B, M>
+where
+    B::InnerBackend: EmaKernels,
+{
     /// Averages `model`'s current weights in: call it after each optimizer step. With an
     /// [`AmpOptimizer`](crate::AmpOptimizer), [`update_after`](Self::update_after) passes over
     /// the steps that were not taken.
@@ -418,7 +430,9 @@ impl<B: AutodiffBackend, M: AutodiffModule<B>> ModelEma<B, M> {
             }),
         }
     }
+}
 
+impl<B: AutodiffBackend, M: AutodiffModule<B>> ModelEma<B, M> {
     /// The average's state as a record (a host average stays in host memory).
     pub fn to_record(&self) -> ModelEmaRecord<B, M> {
         let updates = self.updates.as_ref().map(|updates| match updates {

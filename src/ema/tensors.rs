@@ -11,6 +11,7 @@ use burn_backend::TensorMetadata;
 use burn_backend::tensor::FloatTensor;
 use burn_std::FloatDType;
 
+use super::EmaKernels;
 use crate::grads::{f32_scalar, flat, primitive, tensor};
 
 /// One float tensor of the model, in traversal order.
@@ -106,7 +107,7 @@ pub(super) struct Average<'a, B: Backend> {
     pub index: usize,
 }
 
-impl<B: Backend> ModuleMapper<B> for Average<'_, B> {
+impl<B: EmaKernels> ModuleMapper<B> for Average<'_, B> {
     fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
         let w = &self.model[self.index];
         self.index += 1;
@@ -114,20 +115,22 @@ impl<B: Backend> ModuleMapper<B> for Average<'_, B> {
         // The average stays on the device it was made on; weights stepped elsewhere (a DDP
         // worker's clone, a sharded step) come to it. The same device: no copy.
         let weights = tensor::<B, D>(w.tensor.clone()).to_device(&average.device());
-        let value = if w.trained {
-            // The difference first, so that the average is unique when it is added to (in
-            // place where the backend can).
-            let difference = weights.cast(FloatDType::F32) - average.clone();
-            let step = match &self.rate {
-                Rate::Scalar(rate) => difference * *rate,
-                // On the tensor's device (a model over several devices).
-                Rate::Tensor(rate) => {
-                    difference * rate.clone().to_device(&average.device()).reshape([1; D])
-                }
-            };
-            average + step
-        } else {
-            weights
+        let value = match (&self.rate, w.trained) {
+            (_, false) => weights,
+            (Rate::Scalar(rate), true) => tensor(B::ema_update_scalar(
+                primitive(average),
+                primitive(weights),
+                *rate,
+            )),
+            // On the tensor's device (a model over several devices).
+            (Rate::Tensor(rate), true) => {
+                let rate = rate.clone().to_device(&average.device());
+                tensor(B::ema_update(
+                    primitive(average),
+                    primitive(weights),
+                    primitive(rate),
+                ))
+            }
         };
         Param::from_mapped_value(id, value, mapper)
     }

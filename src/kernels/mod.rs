@@ -4,7 +4,8 @@
 //! - [`ScalerKernels`]: the inf/NaN check, unscaling, the scale update;
 //! - [`OptimKernels`]: the fused AdamW (f32 or 8-bit moments, optionally rounding
 //!   stochastically into half-precision parameters) and SGD steps;
-//! - [`AccumKernels`]: `acc += grad × weight` in f32.
+//! - [`AccumKernels`]: `acc += grad × weight` in f32;
+//! - [`EmaKernels`]: a weight average's update by a device-scalar rate.
 //!
 //! [`AmpKernels`] is their sum. CubeCL backends (`CubeBackend`, and the `Fusion<CubeBackend>`
 //! that burn-wgpu and burn-cuda use by default) override the defaults with the kernels of
@@ -19,14 +20,15 @@ pub(crate) mod cubecl_kernels;
 pub(crate) mod fusion;
 
 use crate::accumulate::AccumKernels;
+use crate::ema::EmaKernels;
 use crate::optim::OptimKernels;
 use crate::scaler::ScalerKernels;
 
-/// Every kernel burn-amp uses: implemented for any backend that implements the three
+/// Every kernel burn-amp uses: implemented for any backend that implements the four
 /// concept traits (which, with their defaults, any backend can).
-pub trait AmpKernels: ScalerKernels + OptimKernels + AccumKernels {}
+pub trait AmpKernels: ScalerKernels + OptimKernels + AccumKernels + EmaKernels {}
 
-impl<B: ScalerKernels + OptimKernels + AccumKernels> AmpKernels for B {}
+impl<B: ScalerKernels + OptimKernels + AccumKernels + EmaKernels> AmpKernels for B {}
 
 /// Implements a kernel trait for `Flex` (its burn-op defaults) and for `Amp<B>` (forwarding
 /// each listed method to `B`: `Amp`'s primitives are `B`'s own).

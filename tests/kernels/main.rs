@@ -1,5 +1,5 @@
-//! The CubeCL kernels of the three kernel traits (`ScalerKernels`, `OptimKernels`,
-//! `AccumKernels`, summed as `AmpKernels`) against their references, the fallbacks composed
+//! The CubeCL kernels of the four kernel traits (`ScalerKernels`, `OptimKernels`,
+//! `AccumKernels`, `EmaKernels`, summed as `AmpKernels`) against their references, the fallbacks composed
 //! from burn ops (`burn_amp::{scaler, optim, accumulate}::kernels::fallback`), run on the same
 //! backend and device: wgpu on lavapipe, both as `Wgpu` (fusion custom ops over
 //! `CubeBackend`) and as the bare `CubeBackend`. WGSL has no bf16, so the bf16 instantiation
@@ -17,11 +17,13 @@
 //! - accumulation: exact without a partial sum or with weight 1; otherwise `F32_STEP` (a
 //!   compiler may contract the multiply and add into one fused multiply-add). The fallback
 //!   itself is checked bit for bit against the tensor-API composition that
-//!   `GradientAccumulation` ran before the kernel, on `Flex` (f32, f16, bf16, f64) and here.
+//!   `GradientAccumulation` ran before the kernel, on `Flex` (f32, f16, bf16, f64) and here;
+//! - a weight average's update: the same, exact at a rate of 0 (a skipped step), the fallback
+//!   bit for bit the composition `ModelEma` ran before the kernel.
 //!
 //! Layout: this file holds the helpers shared by every kernel and `on_both!`, which runs a
 //! check on both backends; `scaler.rs`, `optim.rs` (with `optim/`: `adamw.rs`, `sgd.rs`,
-//! `scaled.rs`) and `accumulate.rs` hold the checks and tests of each trait.
+//! `scaled.rs`), `accumulate.rs` and `ema.rs` hold the checks and tests of each trait.
 
 #[path = "../common/mod.rs"]
 mod common;
@@ -67,5 +69,6 @@ macro_rules! on_both {
 }
 
 mod accumulate;
+mod ema;
 mod optim;
 mod scaler;

@@ -12,6 +12,7 @@ use burn_std::{DType, FloatDType, Shape};
 /// by concept (the names do not collide).
 mod fallback {
     pub use burn_amp::accumulate::kernels::fallback::*;
+    pub use burn_amp::ema::kernels::fallback::*;
     pub use burn_amp::optim::kernels::fallback::*;
     pub use burn_amp::scaler::kernels::fallback::*;
 }
