@@ -513,9 +513,9 @@ where
             }
             // The wrapped optimizer unscales (the fused kernels in f32, as they update).
             _ => {
-                // The norm of the scaled f32 sums, unscaled once: no pass to unscale them.
-                // (Unscaled already, as an f32 sum of squares: inf only past ~1.8e19 ×
-                // the scale, where the check skips the step anyway.)
+                // The norm of the scaled f32 sums, times 1/scale: no pass to unscale them.
+                // (Its squares overflow f32 only where the norm is past ~1.8e19 / scale,
+                // a window the check skips anyway.)
                 self.last_grad_norm = match (self.track_grad_norm, &scale.inv_scale) {
                     (false, _) => None,
                     (true, Some(inv)) => list

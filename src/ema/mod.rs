@@ -264,9 +264,8 @@ impl<B: AutodiffBackend, M: AutodiffModule<B>> ModelEma<B, M> {
     }
 }
 
-/// The updates: a device average's with a device-scalar rate runs [`EmaKernels`] (any
-/// backend has them through their burn-op defaults; burn-amp implements them for `Flex`,
-/// CubeCL's backends and `Amp`).
+/// The updates: a device average's run [`EmaKernels`] (any backend has them through their
+/// burn-op defaults; burn-amp implements them for `Flex`, CubeCL's backends and `Amp`).
 impl<B: AutodiffBackend, M: AutodiffModule<B>> ModelEma<B, M>
 where
     B::InnerBackend: EmaKernels,
