@@ -18,7 +18,8 @@
 //! What differs from a plain burn-train program:
 //! - the backend type, `Amp<Autodiff<Flex>>` (or `Wgpu`): autocast;
 //! - the optimizer, wrapped once: `AmpOptimizer::new(GradientAccumulationConfig::new(N)
-//!   .with_max_grad_norm(clip).with_track_grad_norm(norm).init(adam)?, GradScalerConfig::new())`. At f16 `backward` scales the loss and the step unscales,
+//!   .with_max_grad_norm(clip).with_track_grad_norm(norm).init(adam)?,
+//!   GradScalerConfig::new())`. At f16 `backward` scales the loss and the step unscales,
 //!   checks and skips on the device; at bf16/f32 it passes through. The accumulation window
 //!   steps Adam once per N micro-batches on their mean (`Learner`'s own `grads_accumulation`
 //!   would sum, and hold a second copy);

@@ -10,7 +10,7 @@
 mod attention;
 mod backward_passes;
 pub mod cast_cache;
-mod concrete;
+pub(crate) mod concrete;
 #[cfg(feature = "ddp")]
 mod distributed;
 mod host_reads;

@@ -108,9 +108,72 @@ pub mod fallback {
 }
 
 /// The rate as a kernel takes it.
-enum Rate<T> {
+pub(crate) enum Rate<T> {
+    /// f32 `[1]` on the device.
     Device(T),
     Host(f32),
+}
+
+/// The backends whose `EmaKernels` are CubeCL kernels, as `$m!(types)` (one list for
+/// [`has_kernels`] and [`update`]).
+macro_rules! with_listed {
+    ($m:ident) => {
+        $m!(
+            burn::backend::Wgpu,
+            crate::Amp<burn::backend::Wgpu>,
+            CubeWgpu,
+            crate::Amp<CubeWgpu>,
+        );
+        #[cfg(feature = "cuda")]
+        $m!(burn_cuda::Cuda, crate::Amp<burn_cuda::Cuda>);
+    };
+}
+
+type CubeWgpu = CubeBackend<burn::backend::wgpu::WgpuRuntime, f32, i32, u32>;
+
+/// Whether a [`ModelEma`](super::ModelEma) on `B` (its inner backend) updates through the
+/// CubeCL kernels: `Wgpu`, the bare `CubeBackend` on wgpu, `Cuda` (feature `cuda`), and
+/// `Amp` over them. Other backends run the burn-op fallback: the same values.
+pub fn has_kernels<B: Backend>() -> bool {
+    use core::any::TypeId;
+    macro_rules! check {
+        ($($kernels:ty),* $(,)?) => {$(
+            if TypeId::of::<B>() == TypeId::of::<$kernels>() {
+                return true;
+            }
+        )*};
+    }
+    with_listed!(check);
+    false
+}
+
+/// One update over any backend: [`EmaKernels`] where `B` is listed ([`has_kernels`]), found
+/// by `TypeId` as `backend::concrete` finds autodiff backends (Rust has no specialization);
+/// the burn-op fallback elsewhere. So [`ModelEma`](super::ModelEma) keeps the bounds of
+/// Burn's modules and runs over ndarray, candle or a backend of the user's own.
+pub(crate) fn update<B: Backend>(
+    average: FloatTensor<B>,
+    weights: FloatTensor<B>,
+    rate: Rate<FloatTensor<B>>,
+) -> FloatTensor<B> {
+    use crate::backend::concrete::moved;
+    use core::any::TypeId;
+    macro_rules! run {
+        ($($kernels:ty),* $(,)?) => {$(
+            if TypeId::of::<B>() == TypeId::of::<$kernels>() {
+                let (average, weights) = (moved(average), moved(weights));
+                return moved(match rate {
+                    Rate::Device(rate) => <$kernels>::ema_update(average, weights, moved(rate)),
+                    Rate::Host(rate) => <$kernels>::ema_update_scalar(average, weights, rate),
+                });
+            }
+        )*};
+    }
+    with_listed!(run);
+    match rate {
+        Rate::Device(rate) => fallback::ema_update::<B>(average, weights, rate),
+        Rate::Host(rate) => fallback::ema_update_scalar::<B>(average, weights, rate),
+    }
 }
 
 /// What the kernels do not serve (the fallback does): an average that is not f32, f64
@@ -125,7 +188,7 @@ fn kernel_serves(average: (Shape, DType), weights: (Shape, DType)) -> bool {
 
 /// The kernel's launch: into `average`'s buffer when it may be mutated, else a fresh one.
 /// `average` is f32 and non-empty, of `weights`' shape.
-fn update<R: CubeRuntime>(
+fn launch<R: CubeRuntime>(
     average: CubeTensor<R>,
     weights: CubeTensor<R>,
     rate: Rate<CubeTensor<R>>,
@@ -193,7 +256,7 @@ fn on_cube<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement>(
         Rate::Host(rate) if !served => {
             fallback::ema_update_scalar::<B<R, F, I, BT>>(average, weights, rate)
         }
-        rate => update(average, weights, rate),
+        rate => launch(average, weights, rate),
     }
 }
 

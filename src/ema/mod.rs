@@ -26,8 +26,8 @@
 //!
 //! ## Where the average lives
 //! [`EmaPlacement::Device`] (the default) keeps it beside the weights: 4 bytes per trained
-//! parameter of device memory, an update is one pass over each tensor ([`EmaKernels`]) and
-//! no host read.
+//! parameter of device memory, an update is one pass over each tensor ([`EmaKernels`] on
+//! the CubeCL backends) and no host read.
 //! [`EmaPlacement::Host`] (timm's `ModelEmaV3(device="cpu")`) keeps it in host memory, for a
 //! model whose f32 average does not fit beside it (a bf16 model's average is twice its
 //! weights): the device holds a `[1; D]` placeholder per trained tensor, and an update reads
@@ -262,14 +262,7 @@ impl<B: AutodiffBackend, M: AutodiffModule<B>> ModelEma<B, M> {
             Some(Updates::Host { count, .. }) => *count,
         }
     }
-}
 
-/// The updates: a device average's run [`EmaKernels`] (any backend has them through their
-/// burn-op defaults; burn-amp implements them for `Flex`, CubeCL's backends and `Amp`).
-impl<B: AutodiffBackend, M: AutodiffModule<B>> ModelEma<B, M>
-where
-    B::InnerBackend: EmaKernels,
-{
     /// Averages `model`'s current weights in: call it after each optimizer step. With an
     /// [`AmpOptimizer`](crate::AmpOptimizer), [`update_after`](Self::update_after) passes over
     /// the steps that were not taken.
@@ -429,9 +422,7 @@ where
             }),
         }
     }
-}
 
-impl<B: AutodiffBackend, M: AutodiffModule<B>> ModelEma<B, M> {
     /// The average's state as a record (a host average stays in host memory).
     pub fn to_record(&self) -> ModelEmaRecord<B, M> {
         let updates = self.updates.as_ref().map(|updates| match updates {

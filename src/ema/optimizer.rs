@@ -9,7 +9,7 @@ use burn::record::{FullPrecisionSettings, PrecisionSettings, Record};
 use burn::tensor::backend::AutodiffBackend;
 
 use super::last_step::ReportsLastStep;
-use super::{Averaged, EmaConfig, EmaError, EmaKernels, ModelEma, ModelEmaRecord};
+use super::{Averaged, EmaConfig, EmaError, ModelEma, ModelEmaRecord};
 
 /// An optimizer that averages the weights after each step it takes, for loops that are not
 /// yours: burn-train's `Learner` calls `Optimizer::step` and nothing after it (Lightning's
@@ -149,7 +149,6 @@ impl<O, B: AutodiffBackend, M: AutodiffModule<B>> EmaOptimizer<O, B, M> {
     fn step_with(&mut self, module: M, step: impl FnOnce(&mut O, M) -> M) -> M
     where
         O: ReportsLastStep<B>,
-        B::InnerBackend: EmaKernels,
     {
         self.steps += 1;
         self.average.lock().make(&module);
@@ -256,7 +255,6 @@ impl<M, B, O> Optimizer<M, B> for EmaOptimizer<O, B, M>
 where
     M: AutodiffModule<B>,
     B: AutodiffBackend,
-    B::InnerBackend: EmaKernels,
     O: Optimizer<M, B> + ReportsLastStep<B>,
 {
     /// The wrapped optimizer's record and the average's.
@@ -295,7 +293,6 @@ impl<O, B, M> EmaOptimizer<O, B, M>
 where
     M: AutodiffModule<B>,
     B: AutodiffBackend,
-    B::InnerBackend: EmaKernels,
     O: Optimizer<M, B> + ReportsLastStep<B>,
 {
     /// [`Optimizer::to_record`].
@@ -315,7 +312,6 @@ impl<M, B, O> Optimizer<Averaged<B, M>, B> for EmaOptimizer<O, B, M>
 where
     M: AutodiffModule<B>,
     B: AutodiffBackend,
-    B::InnerBackend: EmaKernels,
     O: Optimizer<M, B> + ReportsLastStep<B>,
 {
     type Record = (O::Record, EmaOptimizerRecord<B, M>);

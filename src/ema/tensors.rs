@@ -11,7 +11,7 @@ use burn_backend::TensorMetadata;
 use burn_backend::tensor::FloatTensor;
 use burn_std::FloatDType;
 
-use super::EmaKernels;
+use super::kernels;
 use crate::grads::{f32_scalar, flat, primitive, tensor};
 
 /// One float tensor of the model, in traversal order.
@@ -107,7 +107,7 @@ pub(super) struct Average<'a, B: Backend> {
     pub index: usize,
 }
 
-impl<B: EmaKernels> ModuleMapper<B> for Average<'_, B> {
+impl<B: Backend> ModuleMapper<B> for Average<'_, B> {
     fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
         let w = &self.model[self.index];
         self.index += 1;
@@ -117,18 +117,18 @@ impl<B: EmaKernels> ModuleMapper<B> for Average<'_, B> {
         let weights = tensor::<B, D>(w.tensor.clone()).to_device(&average.device());
         let value = match (&self.rate, w.trained) {
             (_, false) => weights,
-            (Rate::Scalar(rate), true) => tensor(B::ema_update_scalar(
-                primitive(average),
-                primitive(weights),
-                *rate,
-            )),
-            // On the tensor's device (a model over several devices).
-            (Rate::Tensor(rate), true) => {
-                let rate = rate.clone().to_device(&average.device());
-                tensor(B::ema_update(
+            (rate, true) => {
+                let rate = match rate {
+                    Rate::Scalar(rate) => kernels::Rate::Host(*rate),
+                    // On the tensor's device (a model over several devices).
+                    Rate::Tensor(rate) => {
+                        kernels::Rate::Device(primitive(rate.clone().to_device(&average.device())))
+                    }
+                };
+                tensor(kernels::update::<B>(
                     primitive(average),
                     primitive(weights),
-                    primitive(rate),
+                    rate,
                 ))
             }
         };

@@ -486,3 +486,45 @@ fn a_record_of_another_model_is_refused() {
         }
     }
 }
+
+/// A backend without burn-amp's kernels (ndarray): `ModelEma` needs none of them, and the
+/// average is the reference through the burn-op fallback. `has_kernels` names the backends
+/// whose updates are the CubeCL kernels.
+#[test]
+fn a_backend_without_kernels_averages_through_the_burn_ops() {
+    use burn::backend::{Autodiff, Flex, Wgpu};
+    use burn_amp::Amp;
+    use burn_amp::ema::kernels::has_kernels;
+    use burn_ndarray::NdArray;
+    let _s = serial();
+    assert!(has_kernels::<Wgpu>() && has_kernels::<Amp<Wgpu>>());
+    assert!(!has_kernels::<NdArray>() && !has_kernels::<Flex>() && !has_kernels::<Amp<Flex>>());
+    type N = Autodiff<NdArray>;
+    fn values<B2: Backend>(l: &Linear<B2>) -> Vec<f32> {
+        let bias = l.bias.as_ref().unwrap().val();
+        let mut v = l.weight.val().into_data().to_vec::<f32>().unwrap();
+        v.extend(bias.into_data().to_vec::<f32>().unwrap());
+        v
+    }
+    let start = LinearConfig::new(8, 4).init::<N>(&Default::default());
+    for placement in PLACEMENTS {
+        let config = EmaConfig::new().with_decay(0.9).with_placement(placement);
+        let mut ema = ModelEma::new(&start, config).unwrap();
+        let mut seen = vec![values(&start)];
+        for t in 1..=10 {
+            let m = start.clone().map(&mut Moved {
+                t: t as f32,
+                index: 0,
+            });
+            ema.update(&m).unwrap();
+            seen.push(values(&m));
+        }
+        let average = values(&ema.module());
+        let err = largest_error(&average, &reference(&seen, 0.9, false));
+        assert!(err < 2e-6, "{placement:?}: off by {err}");
+        assert!(
+            largest_error(&average, &reference(&seen[..1], 0.9, false)) > 1e-3,
+            "{placement:?}: the average did not move"
+        );
+    }
+}

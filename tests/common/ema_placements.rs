@@ -10,7 +10,6 @@ use std::time::Instant;
 use burn::nn::{Linear, LinearConfig};
 use burn::prelude::*;
 use burn::tensor::backend::AutodiffBackend;
-use burn_amp::ema::EmaKernels;
 use burn_amp::{EmaConfig, EmaPlacement, MemorySaving, ModelEma};
 use burn_std::FloatDType;
 
@@ -43,10 +42,7 @@ pub fn measure<B: AutodiffBackend>(
     layers: usize,
     rounds: usize,
     in_use: impl Fn() -> u64,
-) -> Vec<Placement>
-where
-    B::InnerBackend: EmaKernels,
-{
+) -> Vec<Placement> {
     let model = Stack::<B> {
         layers: (0..layers)
             .map(|_| LinearConfig::new(width, width).init(device))

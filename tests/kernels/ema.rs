@@ -8,8 +8,7 @@ const EMA_SHAPES: &[&[usize]] = &[&[1], &[3], &[1023], &[4097], &[16, 24], &[0],
 
 /// `average + (weights − average) · rate`: a subtract, a multiply and an add, which a
 /// compiler may contract into one fused multiply-add (one rounding instead of two); exact
-/// at a rate of 0 (a skipped step: `average + 0`) and of 1 (`average + (w − average)`
-/// rounds to `w` or next to it: not claimed exact).
+/// at a rate of 0 (a skipped step: `average + 0`).
 fn ema_tol(rate: f32) -> Tol {
     if rate == 0.0 { EXACT } else { F32_STEP }
 }
