@@ -114,6 +114,18 @@ pub(crate) enum Rate<T> {
     Host(f32),
 }
 
+/// The fallback for either rate.
+fn fallback_for<B: Backend>(
+    average: FloatTensor<B>,
+    weights: FloatTensor<B>,
+    rate: Rate<FloatTensor<B>>,
+) -> FloatTensor<B> {
+    match rate {
+        Rate::Device(rate) => fallback::ema_update::<B>(average, weights, rate),
+        Rate::Host(rate) => fallback::ema_update_scalar::<B>(average, weights, rate),
+    }
+}
+
 /// The backends whose `EmaKernels` are CubeCL kernels, as `$m!(types)` (one list for
 /// [`has_kernels`] and [`update`]).
 macro_rules! with_listed {
@@ -170,10 +182,7 @@ pub(crate) fn update<B: Backend>(
         )*};
     }
     with_listed!(run);
-    match rate {
-        Rate::Device(rate) => fallback::ema_update::<B>(average, weights, rate),
-        Rate::Host(rate) => fallback::ema_update_scalar::<B>(average, weights, rate),
-    }
+    fallback_for::<B>(average, weights, rate)
 }
 
 /// What the kernels do not serve (the fallback does): an average that is not f32, f64
@@ -243,20 +252,16 @@ fn on_cube<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement>(
     weights: CubeTensor<R>,
     rate: Rate<CubeTensor<R>>,
 ) -> CubeTensor<R> {
-    type B<R, F, I, BT> = CubeBackend<R, F, I, BT>;
     let served = kernel_serves(
         (average.shape(), average.dtype),
         (weights.shape(), weights.dtype),
     );
-    match rate {
-        _ if average.meta.num_elements() == 0 => average,
-        Rate::Device(rate) if !served => {
-            fallback::ema_update::<B<R, F, I, BT>>(average, weights, rate)
-        }
-        Rate::Host(rate) if !served => {
-            fallback::ema_update_scalar::<B<R, F, I, BT>>(average, weights, rate)
-        }
-        rate => launch(average, weights, rate),
+    if average.meta.num_elements() == 0 {
+        average
+    } else if served {
+        launch(average, weights, rate)
+    } else {
+        fallback_for::<CubeBackend<R, F, I, BT>>(average, weights, rate)
     }
 }
 
@@ -280,8 +285,8 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> EmaKernels
     }
 }
 
-/// On `Fusion`: a custom op running `B`'s kernel, whose inputs are the average, the weights
-/// and (a device rate) the rate.
+/// On `Fusion`: a custom op running `B`'s kernel (inputs: the average, the weights and, for
+/// a device rate, the rate).
 fn fused<B: FusionBackend + EmaKernels>(
     average: FloatTensor<Fusion<B>>,
     weights: FloatTensor<Fusion<B>>,
@@ -291,31 +296,31 @@ fn fused<B: FusionBackend + EmaKernels>(
         (average.shape(), average.dtype()),
         (weights.shape(), weights.dtype()),
     );
-    // Other dtypes take the burn ops, which fusion can still fuse.
-    let (rate, host) = match rate {
-        _ if average.shape().num_elements() == 0 => return average,
-        Rate::Device(rate) if !served => {
-            return fallback::ema_update::<Fusion<B>>(average, weights, rate);
+    if average.shape().num_elements() == 0 {
+        return average;
+    }
+    if !served {
+        // Other dtypes take the burn ops, which fusion can still fuse.
+        return fallback_for::<Fusion<B>>(average, weights, rate);
+    }
+    let out = [fusion::like::<B>(&average)];
+    let mut out = match rate {
+        Rate::Device(rate) => {
+            let inputs = vec![average, weights, rate];
+            fusion::custom_op::<B, _>("burn_amp_ema_update", inputs, &out, |mut i| {
+                let (rate, weights) = (i.pop().unwrap(), i.pop().unwrap());
+                vec![B::ema_update(i.pop().unwrap(), weights, rate)]
+            })
         }
-        Rate::Host(rate) if !served => {
-            return fallback::ema_update_scalar::<Fusion<B>>(average, weights, rate);
+        Rate::Host(rate) => {
+            let inputs = vec![average, weights];
+            fusion::custom_op::<B, _>("burn_amp_ema_update_scalar", inputs, &out, move |mut i| {
+                let weights = i.pop().unwrap();
+                vec![B::ema_update_scalar(i.pop().unwrap(), weights, rate)]
+            })
         }
-        Rate::Device(rate) => (Some(rate), None),
-        Rate::Host(rate) => (None, Some(rate)),
     };
-    let out = fusion::like::<B>(&average);
-    let inputs = [average, weights].into_iter().chain(rate).collect();
-    fusion::custom_op::<B, _>("burn_amp_ema_update", inputs, &[out], move |mut i| {
-        let rate = if host.is_none() { i.pop() } else { None };
-        let weights = i.pop().unwrap();
-        let average = i.pop().unwrap();
-        vec![match (rate, host) {
-            (Some(rate), _) => B::ema_update(average, weights, rate),
-            (None, rate) => B::ema_update_scalar(average, weights, rate.unwrap()),
-        }]
-    })
-    .pop()
-    .unwrap()
+    out.pop().unwrap()
 }
 
 impl<B: FusionBackend + EmaKernels> EmaKernels for Fusion<B> {

@@ -309,7 +309,7 @@ impl<B: AutodiffBackend, M: AutodiffModule<B>> ModelEma<B, M> {
             (Some(Updates::Host { count, device }), EmaPlacement::Device)
                 if found_inf.is_none() =>
             {
-                let rate = Rate::Scalar(1.0 - self.decay(count as f32));
+                let rate = Rate::Host(1.0 - self.decay(count as f32));
                 self.average_on_device(&trained.tensors, rate);
                 self.updates = Some(Updates::Host {
                     count: count + 1,
@@ -369,7 +369,7 @@ impl<B: AutodiffBackend, M: AutodiffModule<B>> ModelEma<B, M> {
             counted = updates + taken;
         }
         self.updates = Some(Updates::Device(counted));
-        self.average_on_device(model, Rate::Tensor(rate));
+        self.average_on_device(model, Rate::Device(rate));
     }
 
     fn average_on_device(

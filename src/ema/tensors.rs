@@ -91,13 +91,9 @@ impl<B: Backend> ModuleMapper<B> for Widen<'_> {
     }
 }
 
-/// The weight of the weights in an update of a device average.
-pub(super) enum Rate<B: Backend> {
-    /// `1 − decay_n`, the count known on the host.
-    Scalar(f32),
-    /// `(1 − decay_n) · (1 − found_inf)`, f32 `[1]`.
-    Tensor(Tensor<B, 1>),
-}
+/// The weight of the weights in an update of a device average: `1 − decay_n` with the count
+/// on the host, or `(1 − decay_n) · (1 − found_inf)` as an f32 `[1]` tensor.
+pub(super) type Rate<B> = kernels::Rate<Tensor<B, 1>>;
 
 /// One update of an average on the device, tensor by tensor against the model's (shapes
 /// checked).
@@ -119,9 +115,9 @@ impl<B: Backend> ModuleMapper<B> for Average<'_, B> {
             (_, false) => weights,
             (rate, true) => {
                 let rate = match rate {
-                    Rate::Scalar(rate) => kernels::Rate::Host(*rate),
+                    kernels::Rate::Host(rate) => kernels::Rate::Host(*rate),
                     // On the tensor's device (a model over several devices).
-                    Rate::Tensor(rate) => {
+                    kernels::Rate::Device(rate) => {
                         kernels::Rate::Device(primitive(rate.clone().to_device(&average.device())))
                     }
                 };
